@@ -1,0 +1,225 @@
+"""Process-group setup: the ONLY module that reads launcher environment.
+
+    info = init_distributed()          # torchrun env, ddptrain.spawn env, or a world of size 1
+    print0(f"rank {info.rank} of {info.world_size} on {info.device}")
+    loss = all_reduce_mean(loss)       # no-op at world size 1
+    shutdown()
+
+One process is simply world_size 1 of the same path: without launcher variables,
+`init_distributed` still creates a process group (a private `file://` store), so every
+collective in ddptrain runs unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 300.0
+INIT_METHOD_ENV = "DDPTRAIN_INIT_METHOD"
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """The launcher variables, parsed and checked (pure: built from a mapping)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    init_method: str | None
+
+
+def parse_env(env: Mapping[str, str]) -> LaunchEnv:
+    """Parse torchrun/spawn variables; no variables means a world of size 1."""
+    keys = ("RANK", "WORLD_SIZE")
+    present = [k for k in keys if k in env]
+    if not present:
+        return LaunchEnv(rank=0, local_rank=0, world_size=1, init_method=env.get(INIT_METHOD_ENV))
+    if len(present) != len(keys):
+        missing = [k for k in keys if k not in env]
+        raise RuntimeError(
+            f"launcher environment is incomplete: {present} set but {missing} missing; "
+            "launch with torchrun (which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, "
+            "MASTER_PORT) or unset them all for a single process"
+        )
+    rank = _int_var(env, "RANK")
+    world_size = _int_var(env, "WORLD_SIZE")
+    local_rank = _int_var(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+    if world_size < 1:
+        raise RuntimeError(f"WORLD_SIZE={world_size} must be >= 1")
+    if not 0 <= rank < world_size:
+        raise RuntimeError(
+            f"RANK={rank} is outside WORLD_SIZE={world_size}; ranks run from 0 to {world_size - 1}"
+        )
+    if local_rank < 0:
+        raise RuntimeError(f"LOCAL_RANK={local_rank} must be >= 0")
+    init_method = env.get(INIT_METHOD_ENV)
+    if init_method is None and world_size > 1:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+        if missing:
+            raise RuntimeError(
+                f"WORLD_SIZE={world_size} but {missing} not set; launch with torchrun or pass "
+                "init_method='tcp://host:port' or 'file:///shared/path'"
+            )
+        init_method = "env://"
+    return LaunchEnv(rank, local_rank, world_size, init_method)
+
+
+def _int_var(env: Mapping[str, str], key: str) -> int:
+    try:
+        return int(env[key])
+    except ValueError:
+        raise RuntimeError(f"{key}={env[key]!r} is not an integer") from None
+
+
+def resolve_backend(requested: str | None, cuda_available: bool) -> str:
+    """Pick the backend: nccl when CUDA is there, else gloo; refuse impossible requests."""
+    backend = requested or ("nccl" if cuda_available else "gloo")
+    if backend == "nccl" and not cuda_available:
+        raise RuntimeError(
+            "backend 'nccl' needs CUDA, but torch.cuda.is_available() is False on this machine; "
+            "use backend='gloo' (or leave backend=None to choose automatically)"
+        )
+    return backend
+
+
+def resolve_device(backend: str, local_rank: int, cuda_count: int) -> torch.device:
+    """The device this rank computes on: cuda:local_rank under CUDA, else cpu."""
+    if backend != "nccl" and cuda_count == 0:
+        return torch.device("cpu")
+    if cuda_count == 0:
+        return torch.device("cpu")
+    if local_rank >= cuda_count:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but only {cuda_count} CUDA device(s) are visible; "
+            f"use --nproc_per_node <= {cuda_count} or check CUDA_VISIBLE_DEVICES"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+) -> DistInfo:
+    """Join (or create) the default process group and return where this process sits.
+
+    `init_method` accepts "env://", "tcp://host:port" and "file:///path"; left as None it is
+    taken from the launcher. Calling it again when a group exists returns the current info.
+    """
+    launch = parse_env(os.environ if env is None else env)
+    cuda_available = torch.cuda.is_available()
+    if dist.is_initialized():
+        return current_info()
+    backend = resolve_backend(backend, cuda_available)
+    device = resolve_device(backend, launch.local_rank, torch.cuda.device_count())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    method = init_method or launch.init_method
+    if method is None:
+        # A world of one still gets a real process group, so no code path is single-process only.
+        fd, path = tempfile.mkstemp(prefix="ddptrain-store-")
+        os.close(fd)
+        os.unlink(path)
+        method = f"file://{path}"
+    kwargs = {}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(
+        backend=backend,
+        init_method=method,
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+    if dist.get_world_size() != launch.world_size:
+        got = dist.get_world_size()
+        shutdown()
+        raise RuntimeError(
+            f"process group has world_size {got} but WORLD_SIZE={launch.world_size}; "
+            "every process must be launched with the same WORLD_SIZE"
+        )
+    return DistInfo(launch.rank, launch.local_rank, launch.world_size, device, backend)
+
+
+def current_info() -> DistInfo:
+    """DistInfo of the already-initialized default group."""
+    if not dist.is_initialized():
+        raise RuntimeError("no process group: call ddptrain.init_distributed() first")
+    backend = dist.get_backend()
+    local_rank = parse_env(os.environ).local_rank
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+    return DistInfo(
+        dist.get_rank(), local_rank, dist.get_world_size(), device or torch.device("cpu"), backend
+    )
+
+
+def shutdown() -> None:
+    """Destroy the default process group if there is one (safe to call twice)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_main() -> bool:
+    """True on rank 0, or when no process group exists."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def print0(*args: object, **kwargs: object) -> None:
+    """print() on rank 0 only."""
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+def _reduce(value: float | torch.Tensor, average: bool) -> float | torch.Tensor:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    is_number = not isinstance(value, torch.Tensor)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(float(value), dtype=torch.float64, device=device) if is_number else value.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    if average:
+        t = t / dist.get_world_size()
+    return t.item() if is_number else t
+
+
+def all_reduce_sum(value: float | torch.Tensor) -> float | torch.Tensor:
+    """Sum of a number or tensor over ranks (a new value; the input is untouched)."""
+    return _reduce(value, average=False)
+
+
+def all_reduce_mean(value: float | torch.Tensor) -> float | torch.Tensor:
+    """Mean of a number or tensor over ranks (a new value; the input is untouched)."""
+    return _reduce(value, average=True)
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """Rank `src`'s Python object, on every rank (decisions are made on rank 0 and sent)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

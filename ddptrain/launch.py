@@ -1,0 +1,139 @@
+"""Launch a function on N local processes, torchrun-style, from a notebook or a test.
+
+    def train(lr):
+        info = ddptrain.init_distributed()
+        ...
+        return final_loss
+
+    results = ddptrain.spawn(train, 2, 0.1, timeout_s=120)   # [loss of rank 0, loss of rank 1]
+
+Each worker gets RANK/LOCAL_RANK/WORLD_SIZE and a private `file://` rendezvous (no port to
+race for), so `init_distributed()` inside it joins the group. A worker's exception is re-raised
+here with its rank and traceback; on any failure or timeout every other worker is killed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from ddptrain.dist import INIT_METHOD_ENV
+
+_POLL_S = 0.05
+
+
+class WorkerError(RuntimeError):
+    """A spawned worker raised; carries its rank and formatted traceback."""
+
+    def __init__(self, rank: int, message: str, tb: str):
+        super().__init__(f"rank {rank} failed: {message}\n\n--- traceback of rank {rank} ---\n{tb}")
+        self.rank = rank
+        self.worker_traceback = tb
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 600.0,
+    threads_per_rank: int | None = 1,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run `fn(*args)` on `world_size` fresh processes; return each rank's result, by rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    rendezvous_dir = tempfile.mkdtemp(prefix="ddptrain-spawn-")
+    init_method = f"file://{os.path.join(rendezvous_dir, 'store')}"
+    procs = []
+    try:
+        for rank in range(world_size):
+            worker_env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size),
+                INIT_METHOD_ENV: init_method,
+                **(env or {}),
+            }
+            p = ctx.Process(
+                target=_worker,
+                args=(fn, args, rank, worker_env, threads_per_rank, results),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+        return _collect(procs, results, timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        results.close()
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
+
+
+def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    world_size = len(procs)
+    out: dict[int, Any] = {}
+    while len(out) < world_size:
+        try:
+            rank, ok, payload = results.get(timeout=_POLL_S)
+        except queue.Empty:
+            for rank, p in enumerate(procs):
+                if rank not in out and p.exitcode is not None:
+                    _drain_error(results)
+                    raise WorkerError(
+                        rank, f"process exited with code {p.exitcode} without a result", ""
+                    )
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(
+                    f"spawn timed out after {timeout_s:.0f}s; ranks {missing} did not finish "
+                    "(a collective run on only some ranks is the usual cause)"
+                ) from None
+            continue
+        if not ok:
+            message, tb = payload
+            raise WorkerError(rank, message, tb)
+        out[rank] = payload
+    return [out[r] for r in range(world_size)]
+
+
+def _drain_error(results: Any) -> None:
+    # A worker that failed may have queued its traceback just before exiting: prefer it.
+    try:
+        while True:
+            rank, ok, payload = results.get(timeout=0.5)
+            if not ok:
+                raise WorkerError(rank, *payload)
+    except queue.Empty:
+        return
+
+
+def _worker(fn, args, rank, env, threads_per_rank, results) -> None:
+    os.environ.update(env)
+    import torch
+    import torch.distributed as dist
+
+    if threads_per_rank is not None:
+        torch.set_num_threads(threads_per_rank)
+    try:
+        value = fn(*args)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, (f"{type(e).__name__}: {e}", traceback.format_exc())))
+        return
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    results.put((rank, True, value))
