@@ -1,5 +1,6 @@
 """ddptrain: a small, readable data-parallel training framework on torch.distributed."""
 
+from ddptrain.ddp import DDP, DistributedDataParallel
 from ddptrain.dist import (
     DistInfo,
     all_reduce_mean,
@@ -15,7 +16,9 @@ from ddptrain.launch import WorkerError, spawn
 __version__ = "0.1.0"
 
 __all__ = [
+    "DDP",
     "DistInfo",
+    "DistributedDataParallel",
     "WorkerError",
     "all_reduce_mean",
     "all_reduce_sum",

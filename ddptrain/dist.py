@@ -198,8 +198,14 @@ def _reduce(value: float | torch.Tensor, average: bool) -> float | torch.Tensor:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     is_number = not isinstance(value, torch.Tensor)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(float(value), dtype=torch.float64, device=device) if is_number else value.clone()
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    )
+    t = (
+        torch.tensor(float(value), dtype=torch.float64, device=device)
+        if is_number
+        else value.clone()
+    )
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     if average:
         t = t / dist.get_world_size()

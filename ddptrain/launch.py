@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import shutil
 import tempfile
@@ -95,7 +96,7 @@ def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
                     _drain_error(results)
                     raise WorkerError(
                         rank, f"process exited with code {p.exitcode} without a result", ""
-                    )
+                    ) from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(out))
                 raise TimeoutError(
@@ -106,7 +107,7 @@ def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
         if not ok:
             message, tb = payload
             raise WorkerError(rank, message, tb)
-        out[rank] = payload
+        out[rank] = pickle.loads(payload)
     return [out[r] for r in range(world_size)]
 
 
@@ -136,4 +137,6 @@ def _worker(fn, args, rank, env, threads_per_rank, results) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    results.put((rank, True, value))
+    # Plain pickle bytes: torch's queue pickler would share tensors through file descriptors
+    # that vanish when this process exits before the parent reads them.
+    results.put((rank, True, pickle.dumps(value)))

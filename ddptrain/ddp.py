@@ -1,0 +1,333 @@
+"""The DDP wrapper: init broadcast, bucketed asynchronous all_reduce overlapped with backward.
+
+    info = ddptrain.init_distributed()
+    model = ddptrain.DDP(Net().to(info.device))      # rank 0's weights everywhere
+    loss = loss_fn(model(x), y)
+    loss.backward()                                  # every .grad is now the mean over ranks
+    optimizer.step()
+
+    with model.no_sync():                            # gradient accumulation
+        loss_fn(model(x1), y1).backward()            # local only
+    loss_fn(model(x2), y2).backward()                # reduces the accumulated sum
+
+How it works: gradients are packed into flat per-dtype/device buckets. A hook on each parameter
+fires when its gradient is accumulated; it copies the gradient (scaled by 1/world_size) into
+its bucket slot, and once a bucket is full its all_reduce is launched asynchronously while
+autograd keeps computing earlier layers. A callback queued on the autograd engine waits for all
+buckets at the end of backward and writes the averages back into `.grad`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ddptrain.buckets import (
+    DEFAULT_BUCKET_CAP_MB,
+    DEFAULT_FIRST_BUCKET_CAP_MB,
+    assign_buckets,
+    mb_to_bytes,
+)
+
+# Broadcasts at construction and of buffers are coalesced in pieces of this size, as the
+# official wrapper does, so a huge model does not need a second full copy in one flat tensor.
+_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
+
+
+class Waitable(Protocol):
+    """What a communication hook returns: `wait()` leaves the reduced values in the bucket."""
+
+    def wait(self) -> Any: ...
+
+
+CommHook = Callable[[torch.Tensor, Any], Waitable]
+
+
+def allreduce_hook(bucket: torch.Tensor, group: Any) -> Waitable:
+    """Default hook: in-place asynchronous SUM all_reduce (the bucket is pre-scaled)."""
+    return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel wrapper written on plain torch.distributed collectives.
+
+    Invariants:
+    - Every rank wraps a model with the same parameters and buffers, in the same order, with the
+      same shapes and dtypes; this is checked at construction (a clear error, never a hang).
+    - Parameters and buffers come from rank 0: broadcast at construction, buffers again before
+      every forward when `broadcast_buffers=True`.
+    - When `loss.backward()` returns outside `no_sync()`, every `.grad` holds the mean over ranks.
+    - A parameter with no gradient on some ranks counts as zero there; one with no gradient on
+      any rank keeps `grad=None`, so optimizers skip it.
+    - Buckets are launched in the same order on every rank (bucket index order).
+    - No parameters are added after wrapping; one forward is followed by at most one backward.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+        first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_CAP_MB,
+        broadcast_buffers: bool = True,
+        process_group: Any = None,
+        gradient_as_bucket_view: bool = False,
+        comm_hook: CommHook | None = None,
+    ) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedDataParallel needs an initialized process group; "
+                "call ddptrain.init_distributed() (or torch.distributed.init_process_group) first"
+            )
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.comm_hook: CommHook = comm_hook or allreduce_hook
+        self._named_params = list(module.named_parameters())
+        self._buffers_list = [b for b in module.buffers()]
+        _verify_same_model(self._named_params, list(module.named_buffers()), process_group)
+        with torch.no_grad():
+            states = [p.detach() for _, p in self._named_params] + self._buffers_list
+            _broadcast_coalesced(_coalesce(states), process_group)
+        self._buffer_chunks = _coalesce(self._buffers_list)
+        self._params = [p for _, p in self._named_params if p.requires_grad]
+        self._param_names = [n for n, p in self._named_params if p.requires_grad]
+        self._build_buckets(
+            order=list(reversed(range(len(self._params)))),
+            cap_bytes=mb_to_bytes(bucket_cap_mb),
+            first_cap_bytes=mb_to_bytes(first_bucket_cap_mb),
+        )
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self._params)
+        ]
+        self._sync = True
+        self._armed = False
+        self._callback_queued = False
+        self._reset_step_state()
+
+    # ----------------------------------------------------------------------------- buckets
+    def _build_buckets(self, order: list[int], cap_bytes: int, first_cap_bytes: int) -> None:
+        params = [self._params[i] for i in order]
+        buckets = assign_buckets(
+            [p.numel() * p.element_size() for p in params],
+            [(p.dtype, p.device) for p in params],
+            cap_bytes,
+            first_cap_bytes,
+        )
+        self._bucket_params = [[order[j] for j in bucket] for bucket in buckets]
+        n = len(self._params)
+        self._param_bucket = [0] * n
+        self._views: list[torch.Tensor] = [torch.empty(0)] * n
+        self._buckets: list[torch.Tensor] = []
+        for b, members in enumerate(self._bucket_params):
+            numel = sum(self._params[i].numel() for i in members)
+            # The last bucket launched also carries one "used here" flag per parameter, so
+            # which parameters were used on no rank is learned without an extra collective.
+            extra = n if b == len(self._bucket_params) - 1 else 0
+            first = self._params[members[0]]
+            flat = torch.zeros(numel + extra, dtype=first.dtype, device=first.device)
+            offset = 0
+            for i in members:
+                p = self._params[i]
+                self._views[i] = flat[offset : offset + p.numel()].view_as(p)
+                self._param_bucket[i] = b
+                offset += p.numel()
+            self._buckets.append(flat)
+        self._used_flags = self._buckets[-1][-n:] if self._buckets else torch.empty(0)
+
+    @property
+    def bucket_sizes_bytes(self) -> list[int]:
+        """Gradient bytes per bucket, in launch order."""
+        return [
+            sum(self._params[i].numel() * self._params[i].element_size() for i in members)
+            for members in self._bucket_params
+        ]
+
+    # ----------------------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if sum(1 for _ in self.module.parameters()) != len(self._named_params):
+            raise RuntimeError(
+                "the wrapped module's parameters changed after wrapping; their gradients would "
+                "never be averaged. Add every parameter before wrapping with "
+                "DistributedDataParallel"
+            )
+        if self.broadcast_buffers and self.world_size > 1 and self._buffers_list:
+            with torch.no_grad():
+                _broadcast_coalesced(self._buffer_chunks, self.process_group)
+        if torch.is_grad_enabled() and self._sync:
+            self._armed = True
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside reduces the accumulated sum."""
+        previous = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # ----------------------------------------------------------------------------- backward
+    def _reset_step_state(self) -> None:
+        self._pending = [len(members) for members in self._bucket_params]
+        self._ready = [False] * len(self._params)
+        self._next_bucket = 0
+        self._works: list[Waitable | None] = [None] * len(self._buckets)
+        self._used_flags.zero_()
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(index, param)
+
+        return hook
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        self._used_flags[index] = 1
+        if not self._sync:
+            return
+        if not self._armed:
+            raise RuntimeError(
+                f"gradient of '{self._param_names[index]}' arrived with no forward pass since the "
+                "last synchronized backward: backward was called twice on one forward under "
+                "DistributedDataParallel. Run a new forward before each backward, or use "
+                "no_sync() for the extra backward passes"
+            )
+        if self._ready[index]:
+            raise RuntimeError(
+                f"gradient of '{self._param_names[index]}' became ready twice in one backward"
+            )
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            self._callback_queued = True
+        self._ready[index] = True
+        self._fill_view(index, param.grad)
+        bucket = self._param_bucket[index]
+        self._pending[bucket] -= 1
+        if self._pending[bucket] == 0:
+            self._launch_ready_buckets()
+
+    def _fill_view(self, index: int, grad: torch.Tensor | None) -> None:
+        view = self._views[index]
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() == view.data_ptr():
+            view.div_(self.world_size)
+        else:
+            # Scaling while copying, as the official reducer does: one pass over the gradient.
+            torch.mul(grad, 1.0 / self.world_size, out=view)
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
+            b = self._next_bucket
+            self._works[b] = self.comm_hook(self._buckets[b], self.process_group)
+            self._next_bucket += 1
+
+    def _finalize(self) -> None:
+        try:
+            for index, ready in enumerate(self._ready):
+                if not ready:
+                    # No gradient here this backward: contribute what is accumulated (no_sync)
+                    # or zero, so every rank still launches every bucket.
+                    self._fill_view(index, self._params[index].grad)
+                    self._pending[self._param_bucket[index]] -= 1
+            self._launch_ready_buckets()
+            for work in self._works:
+                work.wait()
+            used_anywhere = (self._used_flags != 0).tolist()
+            for index, p in enumerate(self._params):
+                if not used_anywhere[index]:
+                    continue
+                view = self._views[index]
+                if self.gradient_as_bucket_view:
+                    p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+        finally:
+            self._armed = False
+            self._callback_queued = False
+            self._reset_step_state()
+
+
+DDP = DistributedDataParallel
+
+
+def _verify_same_model(
+    named_params: list[tuple[str, torch.Tensor]],
+    named_buffers: list[tuple[str, torch.Tensor]],
+    group: Any,
+) -> None:
+    """Raise the same clear error on every rank if ranks wrap different models."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return
+    mine = [("parameter", n, tuple(t.shape), str(t.dtype)) for n, t in named_params]
+    mine += [("buffer", n, tuple(t.shape), str(t.dtype)) for n, t in named_buffers]
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        problem = _first_difference(reference, theirs)
+        if problem:
+            raise RuntimeError(
+                f"ranks wrap different models: {problem} (rank 0 vs rank {rank}). Every rank "
+                "must build the same architecture with the same parameter order before wrapping"
+            )
+
+
+def _first_difference(a: list[tuple], b: list[tuple]) -> str | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x[0] != y[0] or x[2:] != y[2:]:
+            return (
+                f"{x[0]} #{i} is '{x[1]}' {list(x[2])} {x[3]} on one rank but "
+                f"{y[0]} '{y[1]}' {list(y[2])} {y[3]} on the other"
+            )
+    if len(a) != len(b):
+        n_a = sum(1 for t in a if t[0] == "parameter")
+        n_b = sum(1 for t in b if t[0] == "parameter")
+        return (
+            f"{n_a} parameters and {len(a) - n_a} buffers on one rank but "
+            f"{n_b} parameters and {len(b) - n_b} buffers on the other"
+        )
+    return None
+
+
+def _coalesce(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group tensors by dtype/device into chunks of at most ~_BROADCAST_CHUNK_BYTES each."""
+    chunks: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}
+    for t in tensors:
+        key = (t.dtype, t.device)
+        nbytes = t.numel() * t.element_size()
+        if key not in chunks or filled[key] + nbytes > _BROADCAST_CHUNK_BYTES:
+            chunks.setdefault(key, []).append([])
+            filled[key] = 0
+        chunks[key][-1].append(t)
+        filled[key] += nbytes
+    return [chunk for per_key in chunks.values() for chunk in per_key if chunk]
+
+
+def _broadcast_coalesced(chunks: list[list[torch.Tensor]], group: Any, src: int = 0) -> None:
+    """Broadcast each chunk of tensors in place from `src` as one flat tensor."""
+    if dist.get_world_size(group) == 1:
+        return
+    is_src = dist.get_rank(group) == src
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    for chunk in chunks:
+        flat = _flatten_dense_tensors(chunk)
+        dist.broadcast(flat, src=global_src, group=group)
+        if not is_src:
+            for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
+                t.copy_(synced)

@@ -1,0 +1,32 @@
+"""Reference models used by the recipe, the benchmark and the tests.
+
+from ddptrain.models import LeNet
+model = LeNet()            # 1x28x28 input, 10 log-probabilities out
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LeNet(nn.Module):
+    """The convolutional net of PyTorch's classic MNIST and distributed tutorials."""
+
+    def __init__(self, dropout: float = 0.5) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
+        self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
+        self.conv2_drop = nn.Dropout2d(dropout)
+        self.fc1 = nn.Linear(320, 50)
+        self.fc2 = nn.Linear(50, 10)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
+        x = x.flatten(1)
+        x = F.relu(self.fc1(x))
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        return F.log_softmax(self.fc2(x), dim=1)

@@ -1,0 +1,124 @@
+"""Environment parsing and process-group setup (monkeypatched env, one real world of size 1)."""
+
+import pytest
+import torch
+
+import ddptrain
+from ddptrain.dist import (
+    INIT_METHOD_ENV,
+    parse_env,
+    resolve_backend,
+    resolve_device,
+)
+
+
+def test_no_launcher_variables_is_a_world_of_one():
+    """Without RANK/WORLD_SIZE the process is rank 0 of 1 (no separate code path)."""
+    env = parse_env({})
+    assert (env.rank, env.local_rank, env.world_size) == (0, 0, 1)
+
+
+def test_torchrun_variables_are_parsed():
+    """torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT give env:// init."""
+    env = parse_env(
+        {
+            "RANK": "3",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "4",
+            "MASTER_ADDR": "10.0.0.1",
+            "MASTER_PORT": "29500",
+        }
+    )
+    assert (env.rank, env.local_rank, env.world_size, env.init_method) == (3, 1, 4, "env://")
+
+
+def test_spawn_variable_overrides_init_method():
+    """spawn's file:// rendezvous variable is used instead of MASTER_ADDR/PORT."""
+    env = parse_env({"RANK": "0", "WORLD_SIZE": "2", INIT_METHOD_ENV: "file:///tmp/x"})
+    assert env.init_method == "file:///tmp/x"
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"RANK": "0"}, "WORLD_SIZE"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "outside"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "not an integer"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, ">= 1"),
+    ],
+)
+def test_bad_launcher_variables_name_the_fix(env, match):
+    """Incomplete or inconsistent launcher variables raise an error naming what is wrong."""
+    with pytest.raises(RuntimeError, match=match):
+        parse_env(env)
+
+
+def test_backend_choice():
+    """nccl with CUDA, gloo without; nccl without CUDA is refused with the fix."""
+    assert resolve_backend(None, cuda_available=True) == "nccl"
+    assert resolve_backend(None, cuda_available=False) == "gloo"
+    assert resolve_backend("gloo", cuda_available=True) == "gloo"
+    with pytest.raises(RuntimeError, match="backend='gloo'"):
+        resolve_backend("nccl", cuda_available=False)
+
+
+def test_local_rank_beyond_visible_gpus_is_refused():
+    """LOCAL_RANK >= number of visible GPUs names --nproc_per_node and CUDA_VISIBLE_DEVICES."""
+    assert resolve_device("nccl", 1, cuda_count=2) == torch.device("cuda", 1)
+    assert resolve_device("gloo", 0, cuda_count=0) == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="nproc_per_node <= 2"):
+        resolve_device("nccl", 2, cuda_count=2)
+
+
+def test_world_of_one_runs_collectives(monkeypatch):
+    """A plain process gets a real group: collectives are no-op-equivalent at world size 1."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", INIT_METHOD_ENV):
+        monkeypatch.delenv(key, raising=False)
+    info = ddptrain.init_distributed()
+    assert (info.rank, info.world_size, info.backend) == (0, 1, "gloo")
+    assert ddptrain.is_main()
+    assert ddptrain.all_reduce_mean(2.5) == 2.5
+    t = torch.tensor([1.0, 2.0])
+    assert torch.equal(ddptrain.all_reduce_sum(t), t)
+    ddptrain.shutdown()
+    ddptrain.shutdown()
+
+
+def _run_collectives() -> tuple:
+    info = ddptrain.init_distributed()
+    mean = ddptrain.all_reduce_mean(float(info.rank))
+    total = ddptrain.all_reduce_sum(torch.tensor([info.rank + 1.0]))
+    decided = ddptrain.broadcast_object({"stop": info.rank == 0})
+    return mean, total.item(), decided
+
+
+def test_collective_helpers_across_ranks():
+    """mean/sum helpers reduce over ranks and broadcast_object sends rank 0's decision."""
+    results = ddptrain.spawn(_run_collectives, 3, timeout_s=60)
+    assert results == [(1.0, 6.0, {"stop": True})] * 3
+
+
+def _run_fail_on_rank1() -> None:
+    info = ddptrain.init_distributed()
+    if info.rank == 1:
+        raise ValueError("deliberate failure")
+    torch.distributed.barrier()
+
+
+def test_spawn_propagates_worker_exception_with_rank():
+    """A worker's exception reaches the caller with its rank and traceback; no orphan hangs."""
+    with pytest.raises(ddptrain.WorkerError, match="rank 1 failed: ValueError: deliberate"):
+        ddptrain.spawn(_run_fail_on_rank1, 2, timeout_s=60)
+
+
+def _run_sleep() -> None:
+    import time
+
+    time.sleep(60)
+
+
+def test_spawn_times_out_and_kills_workers():
+    """A worker that never finishes is killed and reported after timeout_s."""
+    with pytest.raises(TimeoutError, match="ranks \\[0\\]"):
+        ddptrain.spawn(_run_sleep, 1, timeout_s=3)

@@ -1,0 +1,101 @@
+"""Small models that exercise each corner of the DDP wrapper (imported by the tests)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddptrain.models import LeNet
+
+
+class BatchNormNet(nn.Module):
+    """Conv + BatchNorm: buffers that change every step and must come from rank 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 26 * 26, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.fc(F.relu(self.bn(self.conv(x))).flatten(1)), dim=1)
+
+
+class TiedNet(nn.Module):
+    """One weight shared by the input embedding and the output projection."""
+
+    def __init__(self, vocab: int = 20, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.hidden = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.out(torch.tanh(self.hidden(self.embed(tokens)))), dim=-1)
+
+
+class BranchNet(nn.Module):
+    """A branch used only when asked (some ranks) and a layer never used at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(12, 16)
+        self.branch = nn.Linear(16, 16)
+        self.never_used = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        h = torch.relu(self.trunk(x))
+        if use_branch:
+            h = h + torch.relu(self.branch(h))
+        return F.log_softmax(self.head(h), dim=1)
+
+
+class FrozenNet(nn.Module):
+    """A frozen first layer (requires_grad=False) in front of trainable ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(12, 16)
+        self.frozen.requires_grad_(False)
+        self.fc1 = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.fc2(torch.relu(self.fc1(torch.relu(self.frozen(x))))), dim=1)
+
+
+def make(name: str) -> nn.Module:
+    """Build a test model by name."""
+    return {
+        "lenet": LeNet,
+        "lenet_nodrop": lambda: LeNet(dropout=0.0),
+        "batchnorm": BatchNormNet,
+        "tied": TiedNet,
+        "branch": BranchNet,
+        "frozen": FrozenNet,
+    }[name]()
+
+
+def batch(name: str, step: int, rank: int, size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic (input, target) batch for `name`, different per step and rank."""
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    if name in ("lenet", "lenet_nodrop", "batchnorm"):
+        x = torch.randn(size, 1, 28, 28, generator=g)
+    elif name == "tied":
+        x = torch.randint(0, 20, (size, 5), generator=g)
+        return x, torch.randint(0, 20, (size, 5), generator=g)
+    else:
+        x = torch.randn(size, 12, generator=g)
+    return x, torch.randint(0, 10, (size,), generator=g)
+
+
+def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int):
+    """Mean NLL loss of `model` on one batch; the branch model uses its branch on odd ranks."""
+    if name == "branch":
+        out = model(x, use_branch=rank % 2 == 1)
+    else:
+        out = model(x)
+    return F.nll_loss(out.reshape(-1, out.shape[-1]), y.reshape(-1))
