@@ -1,0 +1,258 @@
+"""IDX reading, MNIST-format datasets, folder layouts and the offline-safe downloader."""
+
+import dataclasses
+import gzip
+import hashlib
+import struct
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import ddptrain.mnist
+from ddptrain.mnist import (
+    DEBIAN_FASHION_MNIST,
+    IDXDataset,
+    IDXFormatError,
+    download_files,
+    fashion_mnist,
+    mnist,
+    read_idx,
+)
+
+MNIST_ROOT = Path(__file__).resolve().parents[2] / "shared/data/mnist"
+MNIST_TEST_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+needs_mnist = pytest.mark.skipif(
+    not (MNIST_ROOT / "MNIST/raw").is_dir(), reason=f"shared MNIST not found at {MNIST_ROOT}"
+)
+needs_debian_fashion = pytest.mark.skipif(
+    not DEBIAN_FASHION_MNIST.is_dir(), reason=f"{DEBIAN_FASHION_MNIST} not installed"
+)
+
+
+def _idx_bytes(tensor: torch.Tensor) -> bytes:
+    header = bytes([0, 0, 0x08, tensor.dim()]) + struct.pack(f">{tensor.dim()}I", *tensor.shape)
+    return header + tensor.to(torch.uint8).contiguous().numpy().tobytes()
+
+
+def _write_split(folder: Path, prefix: str, n: int, gz: bool = True, seed: int = 0) -> None:
+    """Write a small synthetic MNIST-format split (n images of 28x28, labels 0-9)."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8)
+    labels = torch.arange(n, dtype=torch.uint8) % 10
+    folder.mkdir(parents=True, exist_ok=True)
+    for stem, tensor in [
+        (f"{prefix}-images-idx3-ubyte", images),
+        (f"{prefix}-labels-idx1-ubyte", labels),
+    ]:
+        data = _idx_bytes(tensor)
+        path = folder / (stem + (".gz" if gz else ""))
+        path.write_bytes(gzip.compress(data) if gz else data)
+
+
+@needs_mnist
+def test_shared_mnist_test_split_loads_with_the_known_label_counts():
+    """The real 10k test split: shapes, dtypes, label counts, first label 7, bulk normalization."""
+    ds = mnist(MNIST_ROOT, train=False)
+    assert len(ds) == 10_000
+    assert ds.images.dtype == torch.uint8 and ds.images.shape == (10_000, 28, 28)
+    assert ds.targets.dtype == torch.int64
+    assert torch.bincount(ds.targets).tolist() == MNIST_TEST_LABEL_COUNTS
+    x, y = ds[0]
+    assert x.shape == (1, 28, 28) and x.dtype == torch.float32 and int(y) == 7
+    torch.testing.assert_close(x, (ds.images[:1].float() / 255 - 0.1307) / 0.3081)
+
+
+@pytest.mark.parametrize("layout", ["MNIST/raw", "raw", "."])
+@pytest.mark.parametrize("gz", [True, False])
+def test_root_may_hold_MNIST_raw_or_be_raw_or_a_flat_folder(tmp_path, layout, gz):
+    """torchvision's root/MNIST/raw/, root/raw/ and a flat root all load, .gz or not."""
+    _write_split(tmp_path / layout, "train", 30, gz=gz)
+    _write_split(tmp_path / layout, "t10k", 20, gz=gz)
+    assert len(mnist(tmp_path, train=True)) == 30
+    assert len(mnist(tmp_path, train=False)) == 20
+
+
+def test_read_idx_reads_gz_and_raw_files_identically(tmp_path):
+    """read_idx returns the header's shape and exact bytes, gzipped or not, whatever the name."""
+    t = torch.randint(0, 256, (5, 3, 4), dtype=torch.uint8)
+    (tmp_path / "a").write_bytes(_idx_bytes(t))
+    (tmp_path / "a.gz").write_bytes(gzip.compress(_idx_bytes(t)))
+    assert torch.equal(read_idx(tmp_path / "a"), t)
+    assert torch.equal(read_idx(tmp_path / "a.gz"), t)
+    (tmp_path / "b.gz").write_bytes(_idx_bytes(t))
+    assert torch.equal(read_idx(tmp_path / "b.gz"), t), "gunzipped but still named .gz"
+
+
+def _corrupt(tmp_path: Path, how: str) -> Path:
+    good = _idx_bytes(torch.zeros(10, 28, 28, dtype=torch.uint8))
+    path = tmp_path / "train-images-idx3-ubyte"
+    if how == "truncated data":
+        path.write_bytes(good[:-100])
+    elif how == "truncated header":
+        path.write_bytes(good[:10])
+    elif how == "trailing bytes":
+        path.write_bytes(good + b"\0")
+    elif how == "not IDX":
+        path.write_bytes(b"<html>Service Unavailable</html>")
+    elif how == "not uint8":
+        path.write_bytes(good[:2] + b"\x0d" + good[3:])
+    elif how == "labels as images":
+        path.write_bytes(_idx_bytes(torch.zeros(10, dtype=torch.uint8)))
+    elif how == "truncated gz":
+        path = path.with_suffix(".gz")
+        path.write_bytes(gzip.compress(good)[:-20])
+    return path
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("truncated data", r"truncated: header says 10x28x28 = 7840 bytes of data, found 7740"),
+        ("truncated header", r"truncated inside its 16-byte header"),
+        ("trailing bytes", r"longer than its header says"),
+        ("not IDX", r"not an IDX file"),
+        ("not uint8", r"data type 0x0d is not uint8"),
+        ("labels as images", r"magic number 0x00000801 but expected 0x00000803"),
+        ("truncated gz", r"not a complete gzip file"),
+    ],
+)
+def test_corrupt_or_truncated_files_are_a_clear_error_naming_the_file(tmp_path, how, message):
+    """Every malformed file raises IDXFormatError whose message starts with its path."""
+    path = _corrupt(tmp_path, how)
+    with pytest.raises(IDXFormatError, match=message) as info:
+        read_idx(path, magic=0x0803)
+    assert str(info.value).startswith(f"{path}: ")
+
+
+@needs_mnist
+def test_a_truncated_copy_of_real_mnist_is_refused_by_mnist(tmp_path):
+    """mnist() on a cut-short real download names the broken file."""
+    raw = tmp_path / "MNIST/raw"
+    raw.mkdir(parents=True)
+    for name in ["t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]:
+        data = (MNIST_ROOT / "MNIST/raw" / name).read_bytes()
+        (raw / name).write_bytes(data[: len(data) // 2] if "images" in name else data)
+    with pytest.raises(IDXFormatError, match="t10k-images-idx3-ubyte.gz: not a complete gzip"):
+        mnist(tmp_path, train=False)
+
+
+def test_images_and_labels_of_different_lengths_are_refused(tmp_path):
+    """An images file and a labels file that disagree on N name both files."""
+    _write_split(tmp_path, "train", 30)
+    labels = tmp_path / "train-labels-idx1-ubyte.gz"
+    labels.write_bytes(gzip.compress(_idx_bytes(torch.zeros(29, dtype=torch.uint8))))
+    with pytest.raises(IDXFormatError, match="30 images but .*29 labels"):
+        mnist(tmp_path)
+
+
+def test_missing_files_say_where_to_put_them(tmp_path):
+    """Without files and without download the error lists the folders and the file names."""
+    with pytest.raises(FileNotFoundError, match=r"Put train-images-idx3-ubyte.gz and") as info:
+        mnist(tmp_path)
+    assert str(tmp_path / "MNIST/raw") in str(info.value)
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No torchvision and a URL opener that fails, as on a machine without network."""
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    monkeypatch.setitem(sys.modules, "torchvision.datasets", None)
+    calls = []
+
+    def refuse(url, *args, **kwargs):
+        calls.append(url)
+        raise urllib.error.URLError("network is unreachable")
+
+    monkeypatch.setattr(urllib.request, "urlopen", refuse)
+    return calls
+
+
+def test_download_offline_fails_with_one_clear_message(tmp_path, offline):
+    """download=True with no network: one RuntimeError naming the mirrors and the folder."""
+    with pytest.raises(RuntimeError, match="Offline\\? Put train-images-idx3-ubyte.gz") as info:
+        mnist(tmp_path, download=True)
+    message = str(info.value)
+    assert str(tmp_path / "MNIST/raw") in message and "network is unreachable" in message
+    assert offline == [
+        "https://ossci-datasets.s3.amazonaws.com/mnist/train-images-idx3-ubyte.gz",
+        "http://yann.lecun.com/exdb/mnist/train-images-idx3-ubyte.gz",
+    ]
+    assert list((tmp_path / "MNIST/raw").iterdir()) == []
+
+
+def _md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def test_download_files_checks_md5_and_falls_back_to_the_next_mirror(tmp_path):
+    """A mirror serving a corrupt file is skipped; a file is kept only when its MD5 matches."""
+    _write_split(tmp_path / "good", "t10k", 10)
+    _write_split(tmp_path / "bad", "t10k", 10, seed=1)
+    name = "t10k-images-idx3-ubyte.gz"
+    md5 = _md5(tmp_path / "good" / name)
+    dest = tmp_path / "dest"
+    mirrors = [(tmp_path / d).as_uri() + "/" for d in ["missing", "bad", "good"]]
+
+    download_files({name: md5}, mirrors, dest)
+    assert _md5(dest / name) == md5
+
+    (dest / name).unlink()
+    with pytest.raises(RuntimeError, match=f"MD5 .* does not match the expected {md5}"):
+        download_files({name: md5}, mirrors[:2], dest)
+    assert list(dest.iterdir()) == []
+
+
+def test_download_true_fetches_then_loads_the_split(tmp_path, monkeypatch):
+    """mnist(root, download=True) downloads into root/MNIST/raw/ and loads what it fetched."""
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    server = tmp_path / "server"
+    _write_split(server, "train", 40)
+    md5 = {p.name: _md5(p) for p in server.iterdir()}
+    spec = dataclasses.replace(ddptrain.mnist._MNIST, mirrors=(server.as_uri() + "/",), md5=md5)
+    monkeypatch.setattr(ddptrain.mnist, "_MNIST", spec)
+    ds = mnist(tmp_path / "root", download=True)
+    assert len(ds) == 40
+    assert sorted(p.name for p in (tmp_path / "root/MNIST/raw").iterdir()) == sorted(md5)
+
+
+@needs_debian_fashion
+def test_fashion_mnist_finds_the_debian_folder_by_itself(tmp_path):
+    """With no root, or a root without the files, Fashion-MNIST loads from /usr/share/datasets."""
+    for root in [None, tmp_path]:
+        ds = fashion_mnist(root, train=False)
+        assert len(ds) == 10_000
+        assert torch.bincount(ds.targets).tolist() == [1000] * 10
+
+
+def test_batched_fetch_equals_per_sample_fetch_and_transforms_apply_per_sample(tmp_path):
+    """DataLoader batches (via __getitems__) equal stacked ds[i]; a transform sees each image."""
+    _write_split(tmp_path, "train", 30)
+    ds = mnist(tmp_path)
+    x, y = next(iter(DataLoader(ds, batch_size=8)))
+    assert torch.equal(x, torch.stack([ds[i][0] for i in range(8)]))
+    assert torch.equal(y, ds.targets[:8]) and y.dtype == torch.int64
+
+    seen = []
+    flipped = mnist(tmp_path, transform=lambda img: seen.append(img.shape) or img.flip(-1))
+    x, _ = next(iter(DataLoader(flipped, batch_size=8)))
+    assert torch.equal(x, ds.data[:8].flip(-1)) and seen == [(1, 28, 28)] * 8
+
+
+def test_normalize_false_gives_pixels_in_zero_one(tmp_path):
+    """normalize=False scales to [0, 1] like ToTensor, without mean/std."""
+    _write_split(tmp_path, "train", 10)
+    ds = mnist(tmp_path, normalize=False)
+    assert torch.equal(ds.data, ds.images.unsqueeze(1).float() / 255)
+
+
+def test_idx_dataset_rejects_images_that_are_not_uint8_nhw():
+    """IDXDataset wants uint8 [N, H, W] images and one target per image."""
+    with pytest.raises(ValueError, match="uint8"):
+        IDXDataset(torch.zeros(2, 28, 28), torch.zeros(2))
+    with pytest.raises(ValueError, match="2 images but 3 targets"):
+        IDXDataset(torch.zeros(2, 28, 28, dtype=torch.uint8), torch.zeros(3))
