@@ -473,7 +473,7 @@ def _plain_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
         try:
             plain[str(name)] = float(value)
         except (TypeError, ValueError):
-            raise TypeError(f"metric {name!r} is {value!r}; metrics must be numbers") from None
+            raise CheckpointError(f"metric {name!r} is {value!r}; pass numbers") from None
     return plain
 
 
@@ -490,7 +490,7 @@ def _check_loadable(obj: Any, where: str) -> None:
             _check_loadable(value, f"{where}[{i}]")
         return
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
-    raise TypeError(
+    raise CheckpointError(
         f"{where} is a {kind}, which torch.load(weights_only=True) refuses; store tensors, "
         "numbers, strings, lists or dicts instead (e.g. int(x), x.tolist(), dataclasses.asdict)"
     )
