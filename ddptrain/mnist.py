@@ -129,6 +129,7 @@ class IDXDataset(Dataset):
     `images` is uint8 [N, H, W], `targets` int64 [N], `data` float32 [N, 1, H, W]:
     pixels / 255, then (x - mean) / std when `mean`/`std` are given. `transform`, if any,
     is applied per sample to the float image (torchvision tensor transforms work).
+    `paths` names the (images, labels) files when read by `from_files`, `mnist`, ...
     """
 
     def __init__(
@@ -150,6 +151,7 @@ class IDXDataset(Dataset):
         self.targets = targets.to(torch.int64)
         self.mean, self.std = mean, std
         self.transform = transform
+        self.paths: tuple[Path, Path] | None = None
         data = images.unsqueeze(1).to(torch.float32).div_(255)
         if mean is not None:
             data.sub_(mean).div_(1.0 if std is None else std)
@@ -170,7 +172,9 @@ class IDXDataset(Dataset):
                 f"{images_path} holds {len(images)} images but {labels_path} holds "
                 f"{len(labels)} labels; the two files are from different splits or versions"
             )
-        return cls(images, labels, **kwargs)
+        dataset = cls(images, labels, **kwargs)
+        dataset.paths = (Path(images_path), Path(labels_path))
+        return dataset
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -180,13 +184,6 @@ class IDXDataset(Dataset):
         if self.transform is not None:
             x = self.transform(x)
         return x, self.targets[i]
-
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # DataLoader calls this with a whole batch: one gather instead of a __getitem__ each.
-        if self.transform is not None:
-            return [self[i] for i in indices]
-        idx = torch.as_tensor(indices, dtype=torch.int64)
-        return list(zip(self.data[idx], self.targets[idx], strict=True))
 
 
 def mnist(

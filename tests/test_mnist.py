@@ -229,8 +229,8 @@ def test_fashion_mnist_finds_the_debian_folder_by_itself(tmp_path):
         assert torch.bincount(ds.targets).tolist() == [1000] * 10
 
 
-def test_batched_fetch_equals_per_sample_fetch_and_transforms_apply_per_sample(tmp_path):
-    """DataLoader batches (via __getitems__) equal stacked ds[i]; a transform sees each image."""
+def test_loader_batches_equal_stacked_samples_and_transforms_apply_per_sample(tmp_path):
+    """DataLoader batches equal the stacked ds[i]; a transform sees each [1, 28, 28] image."""
     _write_split(tmp_path, "train", 30)
     ds = mnist(tmp_path)
     x, y = next(iter(DataLoader(ds, batch_size=8)))
