@@ -1,0 +1,143 @@
+"""TrainerConfig: every knob of the loop, as a keyword-only dataclass whose errors name the fix.
+
+    cfg = TrainerConfig(global_batch_size=128, epochs=10, checkpoint_dir="ckpt", resume="auto")
+
+Batch sizes are GLOBAL: one optimizer step sees `global_batch_size` samples in all, split into
+world_size ranks x grad_accum_steps micro-batches of `global_batch_size // (world_size *
+grad_accum_steps)` each, so the same config trains the same way at any world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+# Settings that define the sample order and step size: a resumed run must keep them.
+RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last")
+PRECISIONS = ("fp32", "bf16", "fp16")
+COMM_HOOKS = ("allreduce", "bf16", "fp16", "ring")
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """Settings of Trainer.fit(); validated on construction."""
+
+    global_batch_size: int = 128
+    epochs: int = 1
+    max_steps: int | None = None
+    grad_accum_steps: int = 1
+    grad_clip_norm: float | None = None
+    precision: str = "fp32"
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = False
+    num_workers: int = 0
+    eval_batch_size: int = 1000
+    eval_every_steps: int | None = None
+    log_every_steps: int = 50
+    log_dir: str | None = None
+    progress_bar: bool | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every_steps: int | None = None
+    keep_last: int = 3
+    best_metric: str | None = None
+    best_mode: str = "max"
+    resume: str | None = None
+    backend: str | None = None
+    timeout_s: float = 300.0
+    bucket_cap_mb: float = 25.0
+    comm_hook: str = "allreduce"
+    nonfinite: str = "stop"
+
+    def __post_init__(self) -> None:
+        positive = {
+            "global_batch_size": self.global_batch_size,
+            "epochs": self.epochs,
+            "grad_accum_steps": self.grad_accum_steps,
+            "eval_batch_size": self.eval_batch_size,
+            "log_every_steps": self.log_every_steps,
+            "keep_last": self.keep_last,
+        }
+        optional_positive = {
+            "max_steps": self.max_steps,
+            "eval_every_steps": self.eval_every_steps,
+            "checkpoint_every_steps": self.checkpoint_every_steps,
+        }
+        for name, value in {**positive, **optional_positive}.items():
+            if value is None and name in optional_positive:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                hint = " (or None)" if name in optional_positive else ""
+                raise ValueError(f"{name} must be a positive integer{hint}, got {value!r}")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
+            raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        for name, value, allowed in (
+            ("precision", self.precision, PRECISIONS),
+            ("comm_hook", self.comm_hook, COMM_HOOKS),
+            ("nonfinite", self.nonfinite, NONFINITE_POLICIES),
+            ("best_mode", self.best_mode, ("min", "max")),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
+        if self.resume is not None and self.resume != "auto" and not isinstance(self.resume, str):
+            raise ValueError(
+                f"resume must be None, 'auto' or a checkpoint path, got {self.resume!r}"
+            )
+        if self.resume == "auto" and not self.checkpoint_dir:
+            raise ValueError("resume='auto' looks in checkpoint_dir; set checkpoint_dir too")
+
+    @property
+    def micro_global_batch_size(self) -> int:
+        """Samples per micro-step across all ranks: global_batch_size // grad_accum_steps."""
+        return self.global_batch_size // self.grad_accum_steps
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise if the global batch cannot be split evenly over ranks and accumulation steps."""
+        unit = world_size * self.grad_accum_steps
+        if self.global_batch_size % unit:
+            low = self.global_batch_size // unit * unit
+            high = low + unit
+            options = f"{low} or {high}" if low else f"{high}"
+            accum = (
+                f" x grad_accum_steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""
+            )
+            raise ValueError(
+                f"global_batch_size {self.global_batch_size} is not divisible by world_size "
+                f"{world_size}{accum}; use a multiple of {unit} (e.g. {options})"
+            )
+        if self.precision == "fp16" and not _cuda():
+            raise ValueError(
+                "precision='fp16' needs CUDA (GradScaler); on CPU use precision='bf16' or 'fp32'"
+            )
+
+    def check_resumable(self, saved: dict[str, Any]) -> None:
+        """Raise if a checkpoint's config differs in a setting that defines order or step size."""
+        names = {f.name for f in fields(self)}
+        for name in RESUME_INVARIANT_FIELDS:
+            if name in saved and name in names and saved[name] != getattr(self, name):
+                raise ValueError(
+                    f"cannot resume: the checkpoint was trained with {name}={saved[name]!r} but "
+                    f"this run has {name}={getattr(self, name)!r}; set {name}={saved[name]!r} to "
+                    "resume, or start a fresh run in another checkpoint_dir"
+                )
+
+    def resolve_comm_hook(self):
+        """The wrapper's communication hook for `comm_hook` (None = default all_reduce)."""
+        if self.comm_hook == "allreduce":
+            return None
+        from ddptrain import comm
+
+        return comm.get_hook(self.comm_hook)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

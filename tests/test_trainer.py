@@ -1,0 +1,189 @@
+"""Trainer: the loop trains, evaluates exactly, checkpoints, and resumes exactly."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddptrain
+from ddptrain import checkpoint as ckpt
+from ddptrain.trainer import Trainer
+from ddptrain.trainer_config import TrainerConfig
+
+N_TRAIN, N_EVAL = 96, 10
+
+
+class CrashAt(RuntimeError):
+    """Raised by the test trainer to simulate a job dying mid-run."""
+
+
+class ToyTrainer(Trainer):
+    """A 3-class problem from a fixed linear teacher; optional dropout and a crash step."""
+
+    def __init__(self, config, dropout=0.0, crash_at_step=None):
+        super().__init__(config)
+        self.dropout = dropout
+        self.crash_at_step = crash_at_step
+
+    def build_model(self):
+        return nn.Sequential(
+            nn.Linear(8, 32), nn.ReLU(), nn.Dropout(self.dropout), nn.Linear(32, 3)
+        )
+
+    def build_datasets(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(N_TRAIN + N_EVAL, 8, generator=g)
+        teacher = torch.randn(8, 3, generator=g)
+        y = (x @ teacher).argmax(1)
+        return (
+            TensorDataset(x[:N_TRAIN], y[:N_TRAIN]),
+            TensorDataset(x[N_TRAIN:], y[N_TRAIN:]),
+        )
+
+    def configure_optimizers(self, model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+
+    def training_step(self, model, batch):
+        if self.crash_at_step is not None and self.step == self.crash_at_step:
+            raise CrashAt(f"simulated crash at step {self.step}")
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def validation_step(self, model, batch):
+        x, y = batch
+        out = model(x)
+        return {
+            "loss": F.cross_entropy(out, y, reduction="sum"),
+            "accuracy": (out.argmax(1) == y).sum(),
+        }
+
+
+def _config(tmp_path, **overrides) -> TrainerConfig:
+    base = TrainerConfig(
+        global_batch_size=12,
+        epochs=4,
+        log_every_steps=2,
+        log_dir=str(tmp_path / "logs"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every_steps=5,
+        keep_last=10,
+        progress_bar=False,
+    )
+    return replace(base, **overrides)
+
+
+def _run_fit(config, dropout=0.0, crash_at_step=None):
+    trainer = ToyTrainer(config, dropout=dropout, crash_at_step=crash_at_step)
+    summary = trainer.fit()
+    params = torch.cat([p.detach().reshape(-1) for p in trainer.model.module.parameters()])
+    return summary, params
+
+
+def test_trains_and_loss_falls_at_world_size_2(tmp_path):
+    """At world size 2 the loss logged at the end is well below the first logged loss."""
+    cfg = _config(tmp_path, epochs=6, checkpoint_dir=None)
+    (summary, p0), (_, p1) = ddptrain.spawn(_run_fit, 2, cfg, timeout_s=120)
+    records = [json.loads(line) for line in open(tmp_path / "logs" / "metrics.jsonl")]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert torch.equal(p0, p1)
+    assert summary["eval"]["eval_accuracy"] > 0.6
+    assert all(
+        {"step", "epoch", "lr", "samples_per_s", "time_s"} <= set(r) for r in records if "loss" in r
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_eval_counts_every_sample_exactly_once(tmp_path, world_size):
+    """10 eval samples are scored exactly 10 times at world sizes 1 and 3 (no padding)."""
+    cfg = _config(tmp_path, epochs=1, checkpoint_dir=None)
+    results = ddptrain.spawn(_run_fit, world_size, cfg, timeout_s=120)
+    for summary, _ in results:
+        assert summary["eval"]["eval_samples"] == N_EVAL
+
+
+def test_crash_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
+    """A run killed mid-epoch and resumed with resume='auto' ends with bitwise equal weights."""
+    straight = ddptrain.spawn(_run_fit, 2, _config(tmp_path / "a"), 0.3, timeout_s=120)
+    cfg = _config(tmp_path / "b", resume="auto")
+    with pytest.raises(ddptrain.WorkerError, match="simulated crash"):
+        ddptrain.spawn(_run_fit, 2, cfg, 0.3, 13, timeout_s=120)
+    assert ckpt.latest_checkpoint(tmp_path / "b" / "ckpt").name == ckpt.checkpoint_name(10)
+    resumed = ddptrain.spawn(_run_fit, 2, cfg, 0.3, timeout_s=120)
+    assert resumed[0][0]["step"] == straight[0][0]["step"] == 32
+    for (_, p_straight), (_, p_resumed) in zip(straight, resumed, strict=True):
+        assert torch.equal(p_straight, p_resumed)
+
+
+def test_resume_at_another_world_size(tmp_path):
+    """A world-size-2 run resumed at world sizes 1 and 3 ends within 1e-5 of the straight run."""
+    straight = ddptrain.spawn(_run_fit, 2, _config(tmp_path / "a"), timeout_s=120)
+    cfg = _config(tmp_path / "b", resume="auto")
+    with pytest.raises(ddptrain.WorkerError):
+        ddptrain.spawn(_run_fit, 2, cfg, 0.0, 13, timeout_s=120)
+    for world_size in (1, 3):
+        d = tmp_path / f"ws{world_size}"
+        (d / "ckpt").mkdir(parents=True)
+        for f in (tmp_path / "b" / "ckpt").glob("ckpt-*"):
+            (d / "ckpt" / f.name).write_bytes(f.read_bytes())
+        cfg_n = _config(d, resume="auto")
+        resumed = ddptrain.spawn(_run_fit, world_size, cfg_n, timeout_s=120)
+        diff = (resumed[0][1] - straight[0][1]).abs().max().item()
+        print(f"resume 2 -> {world_size}: max|diff| = {diff:.3g}")
+        assert diff < 1e-5
+
+
+def test_checkpoint_loads_into_a_plain_module(tmp_path):
+    """The saved model is the unwrapped state_dict: plain torch.load + load_state_dict work."""
+    cfg = _config(tmp_path, epochs=1)
+    _, params = ddptrain.spawn(_run_fit, 2, cfg, timeout_s=120)[0]
+    path = ckpt.latest_checkpoint(tmp_path / "ckpt")
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    plain = ToyTrainer(cfg).build_model()
+    plain.load_state_dict(state["model"])
+    assert torch.equal(torch.cat([p.reshape(-1) for p in plain.parameters()]), params)
+    sidecar = json.loads(path.with_suffix(".json").read_text())
+    assert sidecar["step"] == state["step"] == 8 and sidecar["world_size"] == 2
+
+
+def test_resume_with_incompatible_config_names_the_setting(tmp_path):
+    """Resuming with a different global_batch_size fails with the setting and the fix named."""
+    ddptrain.spawn(_run_fit, 1, _config(tmp_path, epochs=1), timeout_s=120)
+    cfg = _config(tmp_path, epochs=2, global_batch_size=24, resume="auto")
+    with pytest.raises(ddptrain.WorkerError, match="global_batch_size=12"):
+        ddptrain.spawn(_run_fit, 1, cfg, timeout_s=120)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"global_batch_size": 0}, "global_batch_size must be a positive integer"),
+        ({"precision": "fp8"}, "precision='fp8' is not one of"),
+        ({"resume": "auto", "checkpoint_dir": None}, "set checkpoint_dir"),
+        ({"grad_clip_norm": -1.0}, "grad_clip_norm must be > 0"),
+    ],
+)
+def test_config_errors_name_the_fix(overrides, match):
+    """Invalid settings are refused at construction with the field and fix named."""
+    with pytest.raises(ValueError, match=match):
+        TrainerConfig(**overrides)
+
+
+def test_global_batch_not_divisible_names_valid_choices():
+    """A global batch that does not split over ranks names the nearest valid sizes."""
+    cfg = TrainerConfig(global_batch_size=100, grad_accum_steps=1)
+    with pytest.raises(ValueError, match=r"use a multiple of 3 \(e.g. 99 or 102\)"):
+        cfg.check_world_size(3)
+
+
+def test_config_is_keyword_only():
+    """Positional construction is refused, so call sites always say what they set."""
+    with pytest.raises(TypeError):
+        TrainerConfig(128)  # type: ignore[misc]
