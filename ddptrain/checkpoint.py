@@ -58,8 +58,8 @@ _SIDECAR_KEYS = ("step", "size_bytes", "sha256", "metrics")
 _FILE_MODE = 0o664
 _HASH_CHUNK_BYTES = 1 << 20
 _MAX_NAMES = 5
-# Exactly the leaf types torch.load(weights_only=True) rebuilds; anything else would make the
-# checkpoint unloadable, which we would otherwise only discover at resume time.
+# Leaf types torch.load(weights_only=True) rebuilds (a subset: no bytes or bytearray); checking
+# at save time turns an unloadable checkpoint into an error now instead of at resume time.
 _LEAF_TYPES = (type(None), bool, int, float, complex, str, torch.Size, torch.device, torch.dtype)
 
 
@@ -146,7 +146,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load a ddptrain checkpoint with weights_only=True; refuse anything else clearly."""
+    """Load a ddptrain checkpoint (weights_only=True, sidecar-checked if present) or raise."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(
@@ -367,8 +367,9 @@ class _HashingWriter:
     def write(self, data: bytes) -> int:
         self._f.write(data)
         self._sha256.update(data)
-        self.size += memoryview(data).nbytes
-        return memoryview(data).nbytes
+        nbytes = memoryview(data).nbytes
+        self.size += nbytes
+        return nbytes
 
     def flush(self) -> None:
         self._f.flush()
