@@ -65,7 +65,10 @@ class Trainer:
         raise NotImplementedError("override build_datasets() to return (train, eval or None)")
 
     def configure_optimizers(self, model: nn.Module) -> Any:
-        """Return an optimizer, or (optimizer, lr_scheduler) stepped once per optimizer step."""
+        """Return an optimizer, or (optimizer, lr_scheduler) stepped once per optimizer step.
+
+        `self.total_steps` (optimizer steps of the whole run) is set by then, for schedules.
+        """
         raise NotImplementedError("override configure_optimizers(model) to return an optimizer")
 
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -107,8 +110,6 @@ class Trainer:
             module, bucket_cap_mb=cfg.bucket_cap_mb, comm_hook=cfg.resolve_comm_hook()
         )
         self.model = model
-        optimizer, scheduler = _split_optimizers(self.configure_optimizers(module))
-        scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
         sampler = ShardedSampler(
             len(train_set),
             global_batch_size=cfg.micro_global_batch_size,
@@ -116,6 +117,9 @@ class Trainer:
             seed=cfg.seed,
             drop_last=cfg.drop_last,
         )
+        self.total_steps = self._total_steps(sampler)
+        optimizer, scheduler = _split_optimizers(self.configure_optimizers(module))
+        scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
         # Each rank draws its own dropout masks, reproducibly.
         torch.manual_seed(cfg.seed + 1 + info.rank)
         if resumed is not None:
@@ -130,11 +134,11 @@ class Trainer:
             # global RNG that dropout uses, or a resumed run would draw different masks.
             generator=torch.Generator().manual_seed(cfg.seed),
         )
-        total_steps = self._total_steps(sampler)
+        total_steps = self.total_steps
         self._announce(model, sampler, total_steps, resumed is not None)
         log = MetricsLog(cfg.log_dir) if info.is_main and cfg.log_dir else None
         bar = ProgressBar(total_steps, self.step, enabled=info.is_main and _want_bar(cfg))
-        start = time.perf_counter()
+        start, first_step = time.perf_counter(), self.step
         window_start, window_samples, window_loss = start, 0, torch.zeros((), device=info.device)
         metrics: dict[str, float] = {}
         last_loss = math.nan
@@ -187,7 +191,9 @@ class Trainer:
             if log:
                 log.close()
         wall_s = time.perf_counter() - start
+        trained = (self.step - first_step) * cfg.global_batch_size
         return {
+            "samples_per_s": trained / max(wall_s, 1e-9),
             "step": self.step,
             "epoch": self.epoch,
             "train_loss": last_loss,
@@ -268,7 +274,9 @@ class Trainer:
     def _evaluate_and_log(self, eval_set, log) -> dict[str, float]:
         metrics = self._evaluate(eval_set)
         if metrics:
-            shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+            shown = ", ".join(
+                f"{k}={v}" if isinstance(v, int) else f"{k}={v:.4f}" for k, v in metrics.items()
+            )
             print0(f"step {self.step} epoch {self.epoch}: {shown}")
             if log:
                 log.write({"step": self.step, "epoch": self.epoch, **metrics})
@@ -312,7 +320,7 @@ class Trainer:
                     print0(f"resuming from {path} (step {state['step']})")
                 elif cfg.resume == "auto":
                     print0(f"resume='auto': no checkpoint in {cfg.checkpoint_dir}; starting fresh")
-            except (ckpt.CheckpointError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 - any failure must reach every rank
                 error = str(e)
         state, error = broadcast_object((state, error))
         if error:
@@ -363,7 +371,7 @@ class Trainer:
                     best_metric=best,
                     best_mode=cfg.best_mode,
                 )
-            except (OSError, ckpt.CheckpointError) as e:
+            except Exception as e:  # noqa: BLE001 - any failure must reach every rank
                 error = f"saving the checkpoint of step {self.step} failed: {e}"
         error = broadcast_object(error)
         if error:

@@ -3,7 +3,6 @@
 import dataclasses
 import gzip
 import hashlib
-import struct
 import sys
 import urllib.error
 import urllib.request
@@ -23,6 +22,7 @@ from ddptrain.mnist import (
     mnist,
     read_idx,
 )
+from idx_files import idx_bytes, write_split
 
 MNIST_ROOT = Path(__file__).resolve().parents[2] / "shared/data/mnist"
 MNIST_TEST_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
@@ -32,26 +32,6 @@ needs_mnist = pytest.mark.skipif(
 needs_debian_fashion = pytest.mark.skipif(
     not DEBIAN_FASHION_MNIST.is_dir(), reason=f"{DEBIAN_FASHION_MNIST} not installed"
 )
-
-
-def _idx_bytes(tensor: torch.Tensor) -> bytes:
-    header = bytes([0, 0, 0x08, tensor.dim()]) + struct.pack(f">{tensor.dim()}I", *tensor.shape)
-    return header + tensor.to(torch.uint8).contiguous().numpy().tobytes()
-
-
-def _write_split(folder: Path, prefix: str, n: int, gz: bool = True, seed: int = 0) -> None:
-    """Write a small synthetic MNIST-format split (n images of 28x28, labels 0-9)."""
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8)
-    labels = torch.arange(n, dtype=torch.uint8) % 10
-    folder.mkdir(parents=True, exist_ok=True)
-    for stem, tensor in [
-        (f"{prefix}-images-idx3-ubyte", images),
-        (f"{prefix}-labels-idx1-ubyte", labels),
-    ]:
-        data = _idx_bytes(tensor)
-        path = folder / (stem + (".gz" if gz else ""))
-        path.write_bytes(gzip.compress(data) if gz else data)
 
 
 @needs_mnist
@@ -71,8 +51,8 @@ def test_shared_mnist_test_split_loads_with_the_known_label_counts():
 @pytest.mark.parametrize("gz", [True, False])
 def test_root_may_hold_MNIST_raw_or_be_raw_or_a_flat_folder(tmp_path, layout, gz):
     """torchvision's root/MNIST/raw/, root/raw/ and a flat root all load, .gz or not."""
-    _write_split(tmp_path / layout, "train", 30, gz=gz)
-    _write_split(tmp_path / layout, "t10k", 20, gz=gz)
+    write_split(tmp_path / layout, "train", 30, gz=gz)
+    write_split(tmp_path / layout, "t10k", 20, gz=gz)
     assert len(mnist(tmp_path, train=True)) == 30
     assert len(mnist(tmp_path, train=False)) == 20
 
@@ -80,16 +60,16 @@ def test_root_may_hold_MNIST_raw_or_be_raw_or_a_flat_folder(tmp_path, layout, gz
 def test_read_idx_reads_gz_and_raw_files_identically(tmp_path):
     """read_idx returns the header's shape and exact bytes, gzipped or not, whatever the name."""
     t = torch.randint(0, 256, (5, 3, 4), dtype=torch.uint8)
-    (tmp_path / "a").write_bytes(_idx_bytes(t))
-    (tmp_path / "a.gz").write_bytes(gzip.compress(_idx_bytes(t)))
+    (tmp_path / "a").write_bytes(idx_bytes(t))
+    (tmp_path / "a.gz").write_bytes(gzip.compress(idx_bytes(t)))
     assert torch.equal(read_idx(tmp_path / "a"), t)
     assert torch.equal(read_idx(tmp_path / "a.gz"), t)
-    (tmp_path / "b.gz").write_bytes(_idx_bytes(t))
+    (tmp_path / "b.gz").write_bytes(idx_bytes(t))
     assert torch.equal(read_idx(tmp_path / "b.gz"), t), "gunzipped but still named .gz"
 
 
 def _corrupt(tmp_path: Path, how: str) -> Path:
-    good = _idx_bytes(torch.zeros(10, 28, 28, dtype=torch.uint8))
+    good = idx_bytes(torch.zeros(10, 28, 28, dtype=torch.uint8))
     path = tmp_path / "train-images-idx3-ubyte"
     if how == "truncated data":
         path.write_bytes(good[:-100])
@@ -102,7 +82,7 @@ def _corrupt(tmp_path: Path, how: str) -> Path:
     elif how == "not uint8":
         path.write_bytes(good[:2] + b"\x0d" + good[3:])
     elif how == "labels as images":
-        path.write_bytes(_idx_bytes(torch.zeros(10, dtype=torch.uint8)))
+        path.write_bytes(idx_bytes(torch.zeros(10, dtype=torch.uint8)))
     elif how == "truncated gz":
         path = path.with_suffix(".gz")
         path.write_bytes(gzip.compress(good)[:-20])
@@ -143,9 +123,9 @@ def test_a_truncated_copy_of_real_mnist_is_refused_by_mnist(tmp_path):
 
 def test_images_and_labels_of_different_lengths_are_refused(tmp_path):
     """An images file and a labels file that disagree on N name both files."""
-    _write_split(tmp_path, "train", 30)
+    write_split(tmp_path, "train", 30)
     labels = tmp_path / "train-labels-idx1-ubyte.gz"
-    labels.write_bytes(gzip.compress(_idx_bytes(torch.zeros(29, dtype=torch.uint8))))
+    labels.write_bytes(gzip.compress(idx_bytes(torch.zeros(29, dtype=torch.uint8))))
     with pytest.raises(IDXFormatError, match="30 images but .*29 labels"):
         mnist(tmp_path)
 
@@ -191,8 +171,8 @@ def _md5(path: Path) -> str:
 
 def test_download_files_checks_md5_and_falls_back_to_the_next_mirror(tmp_path):
     """A mirror serving a corrupt file is skipped; a file is kept only when its MD5 matches."""
-    _write_split(tmp_path / "good", "t10k", 10)
-    _write_split(tmp_path / "bad", "t10k", 10, seed=1)
+    write_split(tmp_path / "good", "t10k", 10)
+    write_split(tmp_path / "bad", "t10k", 10, seed=1)
     name = "t10k-images-idx3-ubyte.gz"
     md5 = _md5(tmp_path / "good" / name)
     dest = tmp_path / "dest"
@@ -211,7 +191,7 @@ def test_download_true_fetches_then_loads_the_split(tmp_path, monkeypatch):
     """mnist(root, download=True) downloads into root/MNIST/raw/ and loads what it fetched."""
     monkeypatch.setitem(sys.modules, "torchvision", None)
     server = tmp_path / "server"
-    _write_split(server, "train", 40)
+    write_split(server, "train", 40)
     md5 = {p.name: _md5(p) for p in server.iterdir()}
     spec = dataclasses.replace(ddptrain.mnist._MNIST, mirrors=(server.as_uri() + "/",), md5=md5)
     monkeypatch.setattr(ddptrain.mnist, "_MNIST", spec)
@@ -231,7 +211,7 @@ def test_fashion_mnist_finds_the_debian_folder_by_itself(tmp_path):
 
 def test_loader_batches_equal_stacked_samples_and_transforms_apply_per_sample(tmp_path):
     """DataLoader batches equal the stacked ds[i]; a transform sees each [1, 28, 28] image."""
-    _write_split(tmp_path, "train", 30)
+    write_split(tmp_path, "train", 30)
     ds = mnist(tmp_path)
     x, y = next(iter(DataLoader(ds, batch_size=8)))
     assert torch.equal(x, torch.stack([ds[i][0] for i in range(8)]))
@@ -245,7 +225,7 @@ def test_loader_batches_equal_stacked_samples_and_transforms_apply_per_sample(tm
 
 def test_normalize_false_gives_pixels_in_zero_one(tmp_path):
     """normalize=False scales to [0, 1] like ToTensor, without mean/std."""
-    _write_split(tmp_path, "train", 10)
+    write_split(tmp_path, "train", 10)
     ds = mnist(tmp_path, normalize=False)
     assert torch.equal(ds.data, ds.images.unsqueeze(1).float() / 255)
 
