@@ -17,6 +17,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -147,14 +148,21 @@ def init_distributed(
     kwargs = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
-    dist.init_process_group(
-        backend=backend,
-        init_method=method,
-        rank=launch.rank,
-        world_size=launch.world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **kwargs,
-    )
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=method,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+    except RuntimeError as e:
+        # torch's text ("The server socket has failed to listen on any local network
+        # address...") names neither MASTER_PORT nor the fix.
+        if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
+            raise
+        raise RuntimeError(_address_in_use(method)) from None
     if dist.get_world_size() != launch.world_size:
         got = dist.get_world_size()
         shutdown()
@@ -163,6 +171,25 @@ def init_distributed(
             "every process must be launched with the same WORLD_SIZE"
         )
     return DistInfo(launch.rank, launch.local_rank, launch.world_size, device, backend)
+
+
+def _address_in_use(method: str) -> str:
+    """The message for a rendezvous port that another process already listens on."""
+    if method.startswith("env://"):
+        # torch reads env:// from the process environment, not from init_distributed(env=).
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        where = f"MASTER_PORT {port} on {host}"
+        fix = f"MASTER_PORT=PORT, or torchrun --master-port PORT / --rdzv-endpoint {host}:PORT"
+    else:
+        url = urlsplit(method)
+        host, port = url.hostname, url.port
+        where = f"port {port} on {host} (init_method {method!r})"
+        fix = f"init_method='{url.scheme}://{host}:PORT'"
+    return (
+        f"{where} is already in use (EADDRINUSE), so rank 0 cannot host the rendezvous store "
+        f"there; pick a free port ({fix}) or stop the process holding it (a previous run "
+        "still alive?)"
+    )
 
 
 def current_info() -> DistInfo:
