@@ -14,7 +14,14 @@ How it works: gradients are packed into flat per-dtype/device buckets. A hook on
 fires when its gradient is accumulated; it copies the gradient (scaled by 1/world_size) into
 its bucket slot, and once a bucket is full its all_reduce is launched asynchronously while
 autograd keeps computing earlier layers. A callback queued on the autograd engine waits for all
-buckets at the end of backward and writes the averages back into `.grad`.
+buckets at the end of backward and points each `.grad` at its slot (gradient_as_bucket_view,
+the default: no copy back) or copies the average into it.
+
+Defaults chosen by measurement (docs/benchmarks.md): when every rank is a CPU process on one
+host under gloo, buckets live in shared memory and are summed there (comm.SharedMemoryHook)
+instead of crossing loopback TCP; elsewhere the backend's all_reduce is used. The first
+synchronized backward records the order gradients become ready, and buckets are rebuilt once
+in rank 0's order. Pass `comm_hook=allreduce_hook` to force the backend's all_reduce.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from ddptrain.buckets import (
     assign_buckets,
     mb_to_bytes,
 )
+from ddptrain.comm import SharedMemoryHook
 
 # Broadcasts at construction and of buffers are coalesced in pieces of this size, as the
 # official wrapper does, so a huge model does not need a second full copy in one flat tensor.
@@ -65,7 +73,10 @@ class DistributedDataParallel(nn.Module):
     - When `loss.backward()` returns outside `no_sync()`, every `.grad` holds the mean over ranks.
     - A parameter with no gradient on some ranks counts as zero there; one with no gradient on
       any rank keeps `grad=None`, so optimizers skip it.
-    - Buckets are launched in the same order on every rank (bucket index order).
+    - Buckets are launched in the same order on every rank (bucket index order); after the
+      first synchronized backward they are rebuilt once, in rank 0's gradient-ready order.
+    - With `gradient_as_bucket_view=True` (default) each `.grad` is a view into its bucket
+      after backward; `zero_grad(set_to_none=True)` and `zero_grad(set_to_none=False)` both work.
     - No parameters are added after wrapping; one forward is followed by at most one backward.
     """
 
@@ -77,8 +88,9 @@ class DistributedDataParallel(nn.Module):
         first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_CAP_MB,
         broadcast_buffers: bool = True,
         process_group: Any = None,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool = True,
         comm_hook: CommHook | None = None,
+        rebuild_buckets: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -91,7 +103,7 @@ class DistributedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.broadcast_buffers = broadcast_buffers
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.comm_hook: CommHook = comm_hook or allreduce_hook
+        self.comm_hook: CommHook = comm_hook or _default_hook(module, process_group)
         self._named_params = list(module.named_parameters())
         self._buffers_list = [b for b in module.buffers()]
         _verify_same_model(self._named_params, list(module.named_buffers()), process_group)
@@ -101,11 +113,12 @@ class DistributedDataParallel(nn.Module):
         self._buffer_chunks = _coalesce(self._buffers_list)
         self._params = [p for _, p in self._named_params if p.requires_grad]
         self._param_names = [n for n, p in self._named_params if p.requires_grad]
-        self._build_buckets(
-            order=list(reversed(range(len(self._params)))),
-            cap_bytes=mb_to_bytes(bucket_cap_mb),
-            first_cap_bytes=mb_to_bytes(first_bucket_cap_mb),
-        )
+        self._cap_bytes = mb_to_bytes(bucket_cap_mb)
+        self._first_cap_bytes = mb_to_bytes(first_bucket_cap_mb)
+        # Reverse registration order approximates the order gradients become ready; the
+        # first synchronized backward records the real order and rebuilds once (as torch does).
+        self._build_buckets(list(reversed(range(len(self._params)))))
+        self._ready_order: list[int] | None = [] if rebuild_buckets else None
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self._params)
@@ -116,16 +129,19 @@ class DistributedDataParallel(nn.Module):
         self._reset_step_state()
 
     # ----------------------------------------------------------------------------- buckets
-    def _build_buckets(self, order: list[int], cap_bytes: int, first_cap_bytes: int) -> None:
+    def _build_buckets(self, order: list[int]) -> None:
+        self._bucket_order = order
         params = [self._params[i] for i in order]
         buckets = assign_buckets(
             [p.numel() * p.element_size() for p in params],
             [(p.dtype, p.device) for p in params],
-            cap_bytes,
-            first_cap_bytes,
+            self._cap_bytes,
+            self._first_cap_bytes,
         )
         self._bucket_params = [[order[j] for j in bucket] for bucket in buckets]
         n = len(self._params)
+        # A hook may place buckets where its transport reads them best (shared memory).
+        allocate = getattr(self.comm_hook, "allocate", None) or _zeros
         self._param_bucket = [0] * n
         self._views: list[torch.Tensor] = [torch.empty(0)] * n
         self._buckets: list[torch.Tensor] = []
@@ -135,7 +151,7 @@ class DistributedDataParallel(nn.Module):
             # which parameters were used on no rank is learned without an extra collective.
             extra = n if b == len(self._bucket_params) - 1 else 0
             first = self._params[members[0]]
-            flat = torch.zeros(numel + extra, dtype=first.dtype, device=first.device)
+            flat = allocate(numel + extra, first.dtype, first.device)
             offset = 0
             for i in members:
                 p = self._params[i]
@@ -144,6 +160,14 @@ class DistributedDataParallel(nn.Module):
                 offset += p.numel()
             self._buckets.append(flat)
         self._used_flags = self._buckets[-1][-n:] if self._buckets else torch.empty(0)
+        self._bucket_lens = [len(members) for members in self._bucket_params]
+        self._pending = list(self._bucket_lens)
+        self._works: list[Waitable | None] = [None] * len(self._buckets)
+
+    @property
+    def bucket_param_names(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [[self._param_names[i] for i in members] for members in self._bucket_params]
 
     @property
     def bucket_sizes_bytes(self) -> list[int]:
@@ -180,11 +204,13 @@ class DistributedDataParallel(nn.Module):
 
     # ----------------------------------------------------------------------------- backward
     def _reset_step_state(self) -> None:
-        self._pending = [len(members) for members in self._bucket_params]
+        self._pending[:] = self._bucket_lens
         self._ready = [False] * len(self._params)
+        # "Used here" since the last synchronized backward (no_sync passes included); written
+        # into the last bucket's tail once, just before that bucket is launched.
+        self._used = [False] * len(self._params)
         self._next_bucket = 0
-        self._works: list[Waitable | None] = [None] * len(self._buckets)
-        self._used_flags.zero_()
+        self._works[:] = [None] * len(self._buckets)
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -193,7 +219,7 @@ class DistributedDataParallel(nn.Module):
         return hook
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        self._used_flags[index] = 1
+        self._used[index] = True
         if not self._sync:
             return
         if not self._armed:
@@ -211,6 +237,8 @@ class DistributedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._callback_queued = True
         self._ready[index] = True
+        if self._ready_order is not None:
+            self._ready_order.append(index)
         self._fill_view(index, param.grad)
         bucket = self._param_bucket[index]
         self._pending[bucket] -= 1
@@ -222,14 +250,18 @@ class DistributedDataParallel(nn.Module):
         if grad is None:
             view.zero_()
         elif grad.data_ptr() == view.data_ptr():
-            view.div_(self.world_size)
+            if self.world_size != 1:
+                view.div_(self.world_size)
         else:
             # Scaling while copying, as the official reducer does: one pass over the gradient.
             torch.mul(grad, 1.0 / self.world_size, out=view)
 
     def _launch_ready_buckets(self) -> None:
-        while self._next_bucket < len(self._buckets) and self._pending[self._next_bucket] == 0:
+        last = len(self._buckets) - 1
+        while self._next_bucket <= last and self._pending[self._next_bucket] == 0:
             b = self._next_bucket
+            if b == last:
+                self._used_flags.copy_(torch.tensor(self._used, dtype=self._used_flags.dtype))
             self._works[b] = self.comm_hook(self._buckets[b], self.process_group)
             self._next_bucket += 1
 
@@ -245,6 +277,8 @@ class DistributedDataParallel(nn.Module):
             for work in self._works:
                 work.wait()
             used_anywhere = (self._used_flags != 0).tolist()
+            if self._ready_order is not None:
+                self._rebuild_in_ready_order()
             for index, p in enumerate(self._params):
                 if not used_anywhere[index]:
                     continue
@@ -260,8 +294,45 @@ class DistributedDataParallel(nn.Module):
             self._callback_queued = False
             self._reset_step_state()
 
+    def _rebuild_in_ready_order(self) -> None:
+        """Rebuild buckets in the gradient-ready order rank 0 observed on the first backward."""
+        observed, self._ready_order = dict.fromkeys(self._ready_order or []), None
+        n = len(self._params)
+        if n == 0:
+            return
+        # Never-ready parameters go last; rank 0 decides because ranks may see different
+        # orders (a branch used on some ranks only) and every rank must build the same buckets.
+        proposal = list(observed) + [i for i in reversed(range(n)) if i not in observed]
+        order = torch.tensor(proposal, dtype=torch.int64, device=self._buckets[0].device)
+        if self.world_size > 1:
+            src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+            dist.broadcast(order, src=src, group=self.process_group)
+        order_list = order.tolist()
+        if order_list == self._bucket_order:
+            return
+        old_views = self._views
+        self._build_buckets(order_list)
+        with torch.no_grad():
+            for new, old in zip(self._views, old_views, strict=True):
+                new.copy_(old)
+
 
 DDP = DistributedDataParallel
+
+
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=device)
+
+
+def _default_hook(module: nn.Module, group: Any) -> CommHook:
+    """Shared-memory buckets when every rank is a CPU process on one host, else all_reduce."""
+    on_cpu = all(p.device.type == "cpu" for p in module.parameters())
+    # The hook builds a group of its own, which every rank of the default group must join.
+    whole_world = group is None or dist.get_world_size(group) == dist.get_world_size()
+    gloo = dist.get_backend(group) == "gloo"
+    if gloo and on_cpu and whole_world and SharedMemoryHook.available(group):
+        return SharedMemoryHook(group)
+    return allreduce_hook
 
 
 def _verify_same_model(

@@ -242,3 +242,114 @@ def test_needs_a_process_group():
     """Wrapping without a process group names the call that is missing."""
     with pytest.raises(RuntimeError, match="init_distributed"):
         DistributedDataParallel(torch.nn.Linear(2, 2))
+
+
+class _UsedInReverse(torch.nn.Module):
+    """Registers its layers in the reverse of the order forward uses them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.second = torch.nn.Linear(8, 4)
+        self.first = torch.nn.Linear(6, 8)
+        self.side = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        h = torch.relu(self.first(x))
+        if use_side:
+            h = h + self.side(h)
+        return self.second(h)
+
+
+def _run_rebuild(rebuild: bool) -> dict:
+    info = ddptrain.init_distributed()
+    torch.manual_seed(0)
+    base = _UsedInReverse()
+    # Tiny caps: one parameter per bucket, so bucket order is parameter order.
+    caps = {"bucket_cap_mb": 1e-6, "first_bucket_cap_mb": 1e-6}
+    ours = DistributedDataParallel(copy.deepcopy(base), rebuild_buckets=rebuild, **caps)
+    theirs = TorchDDP(copy.deepcopy(base), find_unused_parameters=True)
+    before = ours.bucket_param_names
+    for model in (ours, theirs):
+        opt = _sgd(model)
+        for step in range(4):
+            g = torch.Generator().manual_seed(10 * step + info.rank)
+            opt.zero_grad()
+            # Only rank 1 uses the side layer, so rank 0's ready order differs from rank 1's.
+            model(torch.randn(5, 6, generator=g), use_side=info.rank == 1).pow(2).mean().backward()
+            opt.step()
+    pairs = zip(ours.parameters(), theirs.parameters(), strict=True)
+    return {
+        "before": before,
+        "after": ours.bucket_param_names,
+        "bitwise": all(torch.equal(a, b) for a, b in pairs),
+    }
+
+
+def _layers(buckets: list[list[str]]) -> list[str]:
+    return [name.split(".")[0] for bucket in buckets for name in bucket]
+
+
+def test_buckets_rebuilt_in_rank0_ready_order_after_first_backward():
+    """The first backward's gradient-ready order (rank 0's) becomes the bucket order everywhere."""
+    results = ddptrain.spawn(_run_rebuild, 2, True, timeout_s=60)
+    for r in results:
+        assert _layers(r["before"]) == ["side", "side", "first", "first", "second", "second"]
+        # second's gradients are ready first; rank 0 never uses side, so side goes last.
+        assert _layers(r["after"]) == ["second", "second", "first", "first", "side", "side"]
+        assert r["after"] == results[0]["after"]
+        assert r["bitwise"]
+
+
+def test_rebuild_can_be_turned_off():
+    """rebuild_buckets=False keeps the reverse-registration bucket order."""
+    results = ddptrain.spawn(_run_rebuild, 2, False, timeout_s=60)
+    for r in results:
+        assert r["after"] == r["before"]
+        assert r["bitwise"]
+
+
+def _run_view_modes(set_to_none: bool) -> dict:
+    info = ddptrain.init_distributed()
+    out = {}
+    for name in ("lenet", "batchnorm"):
+        torch.manual_seed(5)
+        base = toy_models.make(name)
+        runs = {
+            "ours_view": DistributedDataParallel(copy.deepcopy(base)),
+            "ours_copy": DistributedDataParallel(
+                copy.deepcopy(base), gradient_as_bucket_view=False
+            ),
+            "theirs_view": TorchDDP(copy.deepcopy(base), gradient_as_bucket_view=True),
+        }
+        for model in runs.values():
+            opt = _sgd(model)
+            for step in range(5):
+                x, y = toy_models.batch(name, step, info.rank)
+                torch.manual_seed(step)
+                opt.zero_grad(set_to_none=set_to_none)
+                toy_models.loss_of(name, model, x, y, info.rank).backward()
+                opt.step()
+        flat = {k: _flat_params(m.module) for k, m in runs.items()}
+        storages = {
+            k: {p.grad.untyped_storage().data_ptr() for p in m.module.parameters()}
+            for k, m in runs.items()
+        }
+        out[name] = {
+            "view_equal": torch.equal(flat["ours_view"], flat["theirs_view"]),
+            "copy_equal": torch.equal(flat["ours_copy"], flat["theirs_view"]),
+            "view_storages": len(storages["ours_view"]),
+            "copy_storages": len(storages["ours_copy"]),
+            "n_buckets": len(runs["ours_view"].bucket_sizes_bytes),
+        }
+    return out
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradient_as_bucket_view_both_modes_bitwise_equal_official(set_to_none):
+    """View and copy modes equal official DDP (gradient_as_bucket_view=True) bitwise at ws 2."""
+    for r in ddptrain.spawn(_run_view_modes, 2, set_to_none, timeout_s=120):
+        for name, d in r.items():
+            assert d["view_equal"] and d["copy_equal"], (name, d)
+            # Views: grads live in the bucket buffers; copies: one storage per parameter.
+            assert d["view_storages"] == d["n_buckets"], (name, d)
+            assert d["copy_storages"] > d["n_buckets"], (name, d)

@@ -1,0 +1,303 @@
+"""Hand-written collectives and communication hooks for the DDP wrapper.
+
+    ring_all_reduce(t)                             # in-place SUM over ranks, isend/irecv only
+    model = ddptrain.DDP(net, comm_hook=RingHook())          # ring inside the wrapper
+    model = ddptrain.DDP(net, comm_hook=CastHook(torch.bfloat16))   # bf16 on the wire
+    model = ddptrain.DDP(net, comm_hook=make_hook("bf16"))   # the same, by name (CLI flags)
+
+Every hook follows the wrapper's contract: `hook(bucket, group)` gets a flat 1-D bucket already
+scaled by 1/world_size and returns something whose `wait()` leaves the SUM over ranks in it.
+Hooks that keep state (a process group, a thread, cast buffers) are constructed on every rank,
+in the same order, because constructing them may run a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+HOOK_NAMES = ("allreduce", "shm", "ring", "bf16", "fp16", "ring-bf16", "ring-fp16")
+SHM_DIR = "/dev/shm"
+# Room left free in SHM_DIR: a full tmpfs kills a process with SIGBUS, not an exception.
+_SHM_HEADROOM_BYTES = 256 * 1024 * 1024
+
+
+def ring_all_reduce(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """In-place SUM all_reduce of a contiguous tensor: ring reduce-scatter, then ring all-gather.
+
+    Each rank sends and receives 2 * (world_size - 1) / world_size of the tensor, whatever the
+    world size. At world size 2 the result is bitwise equal to `dist.all_reduce`; at larger
+    sizes the summation order differs, so results agree to rounding.
+    """
+    world_size = dist.get_world_size(group)
+    if world_size == 1 or tensor.numel() == 0:
+        return tensor
+    if not tensor.is_contiguous():
+        raise ValueError("ring_all_reduce needs a contiguous tensor (it reduces views in place)")
+    rank = dist.get_rank(group)
+    right = _global_rank(group, (rank + 1) % world_size)
+    left = _global_rank(group, (rank - 1) % world_size)
+    chunks = list(torch.chunk(tensor.view(-1), world_size))
+    # torch.chunk returns fewer pieces when the tensor is small; empty ones keep the indexing.
+    chunks += [tensor.view(-1)[:0]] * (world_size - len(chunks))
+    scratch = torch.empty_like(chunks[0])
+    for step in range(world_size - 1):
+        send, recv = chunks[(rank - step) % world_size], chunks[(rank - step - 1) % world_size]
+        incoming = scratch[: recv.numel()]
+        _exchange(send, incoming, right, left, group)
+        recv.add_(incoming)
+    # Now rank r holds the full sum of chunk r + 1; pass the finished chunks around.
+    for step in range(world_size - 1):
+        send, recv = chunks[(rank + 1 - step) % world_size], chunks[(rank - step) % world_size]
+        _exchange(send, recv, right, left, group)
+    return tensor
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, group: Any) -> None:
+    # Sizes are the same on every rank, so a rank skips an empty piece exactly when its peer does.
+    works = []
+    if send.numel():
+        works.append(dist.isend(send, dst=right, group=group))
+    if recv.numel():
+        works.append(dist.irecv(recv, src=left, group=group))
+    for work in works:
+        work.wait()
+
+
+def _global_rank(group: Any, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+class _Done:
+    """A Waitable for work that already finished."""
+
+    def wait(self) -> None:
+        return None
+
+
+class _FutureWork:
+    """Adapts a concurrent.futures.Future to the Waitable protocol (re-raises worker errors)."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self) -> Any:
+        return self._future.result()
+
+
+class RingHook:
+    """Comm hook: `ring_all_reduce` on a dedicated group, run by one background thread.
+
+    Hooks fire on the autograd thread while backward runs. The ring's point-to-point messages
+    must not interleave with other collectives on the same group in a rank-dependent order, so
+    it gets its own group (built here: every rank must construct the hook), and one worker
+    thread runs buckets strictly in submission order, which is the same on every rank.
+    """
+
+    def __init__(self, process_group: Any = None, wire_dtype: torch.dtype | None = None) -> None:
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        self.group = dist.new_group(ranks=ranks)
+        self.wire_dtype = wire_dtype
+        self._cast = _CastBuffers(wire_dtype) if wire_dtype is not None else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-ring")
+
+    def __call__(self, bucket: torch.Tensor, group: Any) -> _FutureWork | _Done:
+        if dist.get_world_size(self.group) == 1:
+            return _Done()
+        return _FutureWork(self._executor.submit(self._reduce, bucket))
+
+    def _reduce(self, bucket: torch.Tensor) -> torch.Tensor:
+        if self._cast is None:
+            return ring_all_reduce(bucket, self.group)
+        wire = self._cast.to_wire(bucket)
+        ring_all_reduce(wire, self.group)
+        return bucket.copy_(wire)
+
+    def close(self) -> None:
+        """Stop the worker thread (pending buckets finish first)."""
+        self._executor.shutdown(wait=True)
+
+
+class SharedMemoryHook:
+    """Comm hook for ranks on one host: buckets live in shared memory, each rank sums one chunk.
+
+    Gloo sends every byte through loopback TCP (copied into and out of the kernel on both
+    sides). Here the wrapper allocates its buckets with `allocate()` as rows of one shared
+    file per bucket, so rank r reads chunk r of every row, sums it (own row first, then the
+    others by rank; at world size 2 that is bitwise the backend's a + b) and writes the sum
+    into every row. Two barriers per bucket: rows are full, and all chunks are summed; after
+    the second no rank touches another's row, so the next backward may overwrite its own.
+    A bucket not allocated here (or when the tmpfs is short of room) falls back to the
+    backend's all_reduce. One worker thread runs reductions and allocations in submission
+    order, so barriers on the hook's group never interleave across threads.
+    """
+
+    def __init__(self, process_group: Any = None) -> None:
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        # A gloo group of its own: barriers that never interleave with the wrapper's collectives.
+        self.group = dist.new_group(ranks=ranks, backend="gloo")
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        box = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=_global_rank(self.group, 0), group=self.group)
+        self._prefix = os.path.join(SHM_DIR, f"ddptrain-{box[0]}")
+        self._allocations = 0
+        self._shared: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-shm")
+
+    @staticmethod
+    def available(process_group: Any = None) -> bool:
+        """Collective: True on every rank iff all ranks see the same SHM_DIR (one host, CPU)."""
+        world_size = dist.get_world_size(process_group)
+        if world_size == 1 or not os.path.isdir(SHM_DIR):
+            token = None
+        else:
+            token = uuid.uuid4().hex
+        box = [token]
+        dist.broadcast_object_list(box, src=_global_rank(process_group, 0), group=process_group)
+        probe = os.path.join(SHM_DIR, f"ddptrain-probe-{box[0]}")
+        rank = dist.get_rank(process_group)
+        if box[0] is not None and rank == 0:
+            with open(probe, "w") as f:
+                f.write(box[0])
+        dist.barrier(group=process_group)
+        seen = box[0] is not None and _read(probe) == box[0]
+        everyone = torch.tensor([int(seen)])
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=process_group)
+        if rank == 0 and box[0] is not None:
+            os.unlink(probe)
+        return bool(everyone.item())
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Collective: a zeroed bucket of `numel` elements, this rank's row of a shared file."""
+        if device.type != "cpu" or self.world_size == 1 or numel == 0:
+            return torch.zeros(numel, dtype=dtype, device=device)
+        return self._executor.submit(self._allocate, numel, dtype).result()
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        path = f"{self._prefix}-{self._allocations}"
+        self._allocations += 1
+        nbytes = self.world_size * numel * torch.empty(0, dtype=dtype).element_size()
+        room = torch.tensor([0])
+        if self.rank == 0:
+            stat = os.statvfs(SHM_DIR)
+            if stat.f_bavail * stat.f_frsize >= nbytes + _SHM_HEADROOM_BYTES:
+                room[0] = 1
+                torch.from_file(path, shared=True, size=self.world_size * numel, dtype=dtype)
+        dist.broadcast(room, src=_global_rank(self.group, 0), group=self.group)
+        if not room.item():
+            return torch.zeros(numel, dtype=dtype)
+        flat = torch.from_file(path, shared=True, size=self.world_size * numel, dtype=dtype)
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            os.unlink(path)  # the mappings stay valid; nothing is left behind in the tmpfs
+        row = flat[self.rank * numel : (self.rank + 1) * numel]
+        self._shared[row.data_ptr()] = flat
+        return row
+
+    def __call__(self, bucket: torch.Tensor, group: Any) -> _FutureWork | _Done:
+        if self.world_size == 1:
+            return _Done()
+        return _FutureWork(self._executor.submit(self._reduce, bucket))
+
+    def _reduce(self, bucket: torch.Tensor) -> torch.Tensor:
+        flat = self._shared.get(bucket.data_ptr())
+        numel = bucket.numel()
+        if flat is None or flat.numel() != self.world_size * numel:
+            dist.all_reduce(bucket, group=self.group)
+            return bucket
+        rows = flat.view(self.world_size, numel)
+        lo = numel * self.rank // self.world_size
+        hi = numel * (self.rank + 1) // self.world_size
+        dist.barrier(group=self.group)
+        if hi > lo:
+            mine = rows[self.rank, lo:hi]
+            for k in range(self.world_size):
+                if k != self.rank:
+                    mine.add_(rows[k, lo:hi])
+            for k in range(self.world_size):
+                if k != self.rank:
+                    rows[k, lo:hi].copy_(mine)
+        dist.barrier(group=self.group)
+        return bucket
+
+    def close(self) -> None:
+        """Stop the worker thread (pending buckets finish first)."""
+        self._executor.shutdown(wait=True)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+class _CastBuffers:
+    """One reusable low-precision buffer per bucket, so casting allocates nothing per step."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def to_wire(self, bucket: torch.Tensor) -> torch.Tensor:
+        key = (bucket.data_ptr(), bucket.numel())
+        with self._lock:
+            wire = self._buffers.get(key)
+            if wire is None:
+                wire = torch.empty(bucket.numel(), dtype=self.dtype, device=bucket.device)
+                self._buffers[key] = wire
+        return wire.copy_(bucket)
+
+
+class _CastBack:
+    """Waits for the low-precision all_reduce, then widens the result into the bucket."""
+
+    def __init__(self, work: Any, wire: torch.Tensor, bucket: torch.Tensor) -> None:
+        self._work, self._wire, self._bucket = work, wire, bucket
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._bucket.copy_(self._wire)
+
+
+class CastHook:
+    """Comm hook: cast the bucket to `dtype`, all_reduce it with the backend, cast back.
+
+    Halves the bytes on the wire for bf16/fp16. The used-parameter flags at the bucket's tail
+    are 0/1 and survive both casts exactly. The bucket is already divided by world_size
+    before the cast, so fp16 overflows only if a single averaged value exceeds 65504.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        self._cast = _CastBuffers(dtype)
+        self.dtype = dtype
+
+    def __call__(self, bucket: torch.Tensor, group: Any) -> _CastBack:
+        wire = self._cast.to_wire(bucket)
+        work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return _CastBack(work, wire, bucket)
+
+
+def make_hook(name: str, process_group: Any = None) -> Any:
+    """Build a comm hook by its CLI name (one of HOOK_NAMES); "allreduce" means the default."""
+    if name == "allreduce":
+        return None
+    if name == "shm":
+        return SharedMemoryHook(process_group)
+    if name == "ring":
+        return RingHook(process_group)
+    if name in ("bf16", "fp16"):
+        return CastHook(torch.bfloat16 if name == "bf16" else torch.float16)
+    if name in ("ring-bf16", "ring-fp16"):
+        return RingHook(process_group, torch.bfloat16 if name == "ring-bf16" else torch.float16)
+    raise ValueError(f"unknown comm hook {name!r}; choose one of {', '.join(HOOK_NAMES)}")
