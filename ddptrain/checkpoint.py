@@ -265,7 +265,10 @@ def check_model_compat(model_state: Mapping[str, Any], checkpoint_state: Mapping
     ]
     if not problems:
         return
-    hint = "it was probably saved from a different model or config"
+    hint = (
+        "it was saved from a different model or config; resume with the model it was saved "
+        "from, or start a fresh run in another checkpoint_dir"
+    )
     if unexpected and all(k.startswith("module.") for k in unexpected):
         hint = "its keys start with 'module.': it was saved from a wrapped model; strip the prefix"
     raise CheckpointError(f"checkpoint does not match this model: {'; '.join(problems)}; {hint}")

@@ -49,6 +49,10 @@ class LaunchEnv:
     local_rank: int
     world_size: int
     init_method: str | None
+    master_addr: str | None = None
+    master_port: int | None = None
+    restart_count: int = 0
+    agent_store: bool = False
 
 
 def parse_env(env: Mapping[str, str]) -> LaunchEnv:
@@ -84,7 +88,18 @@ def parse_env(env: Mapping[str, str]) -> LaunchEnv:
                 "init_method='tcp://host:port' or 'file:///shared/path'"
             )
         init_method = "env://"
-    return LaunchEnv(rank, local_rank, world_size, init_method)
+    return LaunchEnv(
+        rank,
+        local_rank,
+        world_size,
+        init_method,
+        master_addr=env.get("MASTER_ADDR"),
+        master_port=_int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
+        restart_count=_int_var(env, "TORCHELASTIC_RESTART_COUNT")
+        if "TORCHELASTIC_RESTART_COUNT" in env
+        else 0,
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+    )
 
 
 def _int_var(env: Mapping[str, str], key: str) -> int:
@@ -148,13 +163,17 @@ def init_distributed(
     kwargs = {}
     if device.type == "cuda":
         kwargs["device_id"] = device
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
+        if method == "env://":
+            kwargs["store"] = _env_store(launch, timeout)
+        else:
+            kwargs["init_method"] = method
         dist.init_process_group(
             backend=backend,
-            init_method=method,
             rank=launch.rank,
             world_size=launch.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             **kwargs,
         )
     except RuntimeError as e:
@@ -162,7 +181,7 @@ def init_distributed(
         # address...") names neither MASTER_PORT nor the fix.
         if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
             raise
-        raise RuntimeError(_address_in_use(method)) from None
+        raise RuntimeError(_address_in_use(method, launch)) from None
     if dist.get_world_size() != launch.world_size:
         got = dist.get_world_size()
         shutdown()
@@ -173,11 +192,27 @@ def init_distributed(
     return DistInfo(launch.rank, launch.local_rank, launch.world_size, device, backend)
 
 
-def _address_in_use(method: str) -> str:
+def _env_store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The env:// store, with keys private to this restart attempt.
+
+    Under torchrun the agent hosts one store for every attempt of the job; without a prefix a
+    restarted rank can read the dead attempt's addresses and fail to connect, or hang.
+    """
+    store = dist.TCPStore(
+        launch.master_addr,
+        launch.master_port,
+        launch.world_size,
+        is_master=launch.rank == 0 and not launch.agent_store,
+        timeout=timeout,
+        multi_tenant=True,
+    )
+    return dist.PrefixStore(f"ddptrain/attempt_{launch.restart_count}", store)
+
+
+def _address_in_use(method: str, launch: LaunchEnv) -> str:
     """The message for a rendezvous port that another process already listens on."""
     if method.startswith("env://"):
-        # torch reads env:// from the process environment, not from init_distributed(env=).
-        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        host, port = launch.master_addr, launch.master_port
         where = f"MASTER_PORT {port} on {host}"
         fix = f"MASTER_PORT=PORT, or torchrun --master-port PORT / --rdzv-endpoint {host}:PORT"
     else:
@@ -211,8 +246,10 @@ def shutdown() -> None:
 
 
 def is_main() -> bool:
-    """True on rank 0, or when no process group exists."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """True on rank 0 (read from the launcher when no process group exists yet or any more)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return parse_env(os.environ).rank == 0
 
 
 def print0(*args: object, **kwargs: object) -> None:

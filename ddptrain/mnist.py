@@ -87,7 +87,10 @@ def read_idx(path: str | os.PathLike, *, magic: int | None = None) -> torch.Tens
                 f"{path}: not a complete gzip file ({e}); delete it and download it again"
             ) from None
     if len(raw) < 4 or raw[0] or raw[1]:
-        raise IDXFormatError(f"{path}: not an IDX file (it does not start with two zero bytes)")
+        raise IDXFormatError(
+            f"{path}: not an IDX file (it does not start with two zero bytes); delete it and "
+            "download it again"
+        )
     found_magic, ndim = int.from_bytes(raw[:4], "big"), raw[3]
     if raw[2] != _UINT8:
         raise IDXFormatError(f"{path}: IDX data type 0x{raw[2]:02x} is not uint8 (0x08)")
@@ -98,7 +101,10 @@ def read_idx(path: str | os.PathLike, *, magic: int | None = None) -> torch.Tens
         )
     header_len = 4 + 4 * ndim
     if len(raw) < header_len:
-        raise IDXFormatError(f"{path}: truncated inside its {header_len}-byte header")
+        raise IDXFormatError(
+            f"{path}: truncated inside its {header_len}-byte header; delete it and download it "
+            "again"
+        )
     shape = struct.unpack(f">{ndim}I", raw[4:header_len])
     expected = 1
     for d in shape:
@@ -108,7 +114,8 @@ def read_idx(path: str | os.PathLike, *, magic: int | None = None) -> torch.Tens
         dims = "x".join(map(str, shape))
         problem = "truncated" if found < expected else "longer than its header says"
         raise IDXFormatError(
-            f"{path}: {problem}: header says {dims} = {expected} bytes of data, found {found}"
+            f"{path}: {problem}: header says {dims} = {expected} bytes of data, found {found}; "
+            "delete it and download it again"
         )
     if not expected:
         return torch.empty(shape, dtype=torch.uint8)

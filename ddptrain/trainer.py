@@ -41,8 +41,13 @@ from ddptrain import checkpoint as ckpt
 from ddptrain.data import EvalSampler, ShardedSampler
 from ddptrain.ddp import DistributedDataParallel
 from ddptrain.dist import DistInfo, broadcast_object, init_distributed, print0, shutdown
+from ddptrain.health import Heartbeat, RankLostError, check_replicas
 from ddptrain.trainer_config import TrainerConfig
 from ddptrain.trainer_log import MetricsLog, ProgressBar
+
+
+class NonFiniteError(RuntimeError):
+    """The averaged gradients were inf/NaN and the config says to stop."""
 
 
 class Trainer:
@@ -84,9 +89,26 @@ class Trainer:
         """Train to config.max_steps or config.epochs; return a summary (rank 0's view)."""
         owns_group = not dist.is_initialized()
         self.info = init_distributed(self.config.backend, timeout_s=self.config.timeout_s)
+        timeout = self.config.heartbeat_timeout_s
+        self._heartbeat = Heartbeat(timeout_s=timeout).start() if timeout else None
         try:
             return self._fit(self.info)
+        except RuntimeError as e:
+            # Backends report a dead peer as a plain RuntimeError (gloo) or a DistError.
+            comm_failure = type(e) is RuntimeError or isinstance(e, dist.DistError)
+            lost = self._heartbeat.lost_ranks() if self._heartbeat and comm_failure else []
+            if not lost:
+                raise
+            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RankLostError(
+                f"rank {self.info.rank}: lost rank(s) {lost} at step {self.step} (they stopped "
+                f"heartbeating; the collective failed with: {first_line[:200]}). Restart the job "
+                "(torchrun --max-restarts=N) with resume='auto' to continue from the latest "
+                "checkpoint"
+            ) from e
         finally:
+            if self._heartbeat:
+                self._heartbeat.stop()
             if owns_group:
                 shutdown()
 
@@ -96,7 +118,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         train_set, eval_set = self.build_datasets()
         if len(train_set) == 0:
-            raise ValueError("the training dataset is empty; build_datasets() returned 0 samples")
+            raise ValueError(
+                "the training dataset is empty; build_datasets() returned 0 samples: check the "
+                "data path and any filtering in build_datasets()"
+            )
         if cfg.global_batch_size > len(train_set):
             raise ValueError(
                 f"global_batch_size {cfg.global_batch_size} is larger than the training set "
@@ -149,10 +174,14 @@ class Trainer:
                 batches = iter(loader)
                 while sampler.num_batches > 0 and self.step < total_steps:
                     micro = min(cfg.grad_accum_steps, sampler.num_batches)
-                    loss = self._train_step(model, batches, micro, optimizer, scaler, sampler)
-                    if scheduler is not None:
+                    loss, stepped = self._train_step(
+                        model, batches, micro, optimizer, scaler, sampler
+                    )
+                    if scheduler is not None and stepped:
                         scheduler.step()
                     self.step += 1
+                    if cfg.check_replicas_every and self.step % cfg.check_replicas_every == 0:
+                        check_replicas(model.module)
                     window_loss += loss
                     window_samples += micro * cfg.micro_global_batch_size
                     if self.step % cfg.log_every_steps == 0 or self.step == total_steps:
@@ -223,14 +252,44 @@ class Trainer:
             total += scaled.detach().float()
         if scaler is not None:
             scaler.unscale_(optimizer)
+        params = [p for p in self.model.module.parameters() if p.grad is not None]
         if cfg.grad_clip_norm is not None:
-            nn.utils.clip_grad_norm_(self.model.module.parameters(), cfg.grad_clip_norm)
+            norm = nn.utils.clip_grad_norm_(params, cfg.grad_clip_norm)
+        else:
+            norm = nn.utils.get_total_norm([p.grad for p in params])
         if scaler is not None:
+            # GradScaler skips steps with inf/NaN itself: they are expected while it calibrates.
             scaler.step(optimizer)
             scaler.update()
-        else:
-            optimizer.step()
-        return total
+            return total, True
+        # Gradients are already averaged, so every rank reaches the same verdict here.
+        if not torch.isfinite(norm):
+            return total, self._on_nonfinite(total, optimizer)
+        optimizer.step()
+        return total, True
+
+    def _on_nonfinite(self, local_loss: torch.Tensor, optimizer) -> bool:
+        """Stop on every rank (the default) or skip this step; return False (not stepped)."""
+        flags = [None] * self.info.world_size
+        dist.all_gather_object(flags, bool(torch.isfinite(local_loss)))
+        bad = [rank for rank, finite in enumerate(flags) if not finite]
+        where = f"non-finite local loss on rank(s) {bad}" if bad else "losses finite everywhere"
+        step = self.step + 1
+        if self.config.nonfinite == "skip":
+            optimizer.zero_grad(set_to_none=True)
+            print0(f"warning: step {step} skipped: non-finite gradients ({where})")
+            return False
+        last = (
+            ckpt.latest_checkpoint(self.config.checkpoint_dir)
+            if self.config.checkpoint_dir
+            else None
+        )
+        raise NonFiniteError(
+            f"step {step}: non-finite gradients ({where}); stopped on every rank before the "
+            f"optimizer step, so no weights were changed. Last good checkpoint: "
+            f"{last or 'none'}. Lower the learning rate, clip gradients (grad_clip_norm), or set "
+            "nonfinite='skip' to skip such steps"
+        )
 
     def _autocast(self):
         precision = self.config.precision
@@ -315,7 +374,10 @@ class Trainer:
                 )
                 if path is not None:
                     state = ckpt.load_checkpoint(path)
-                    ckpt.load_model_state(module, state.pop("model"))
+                    try:
+                        ckpt.load_model_state(module, state.pop("model"))
+                    except ckpt.CheckpointError as e:
+                        raise ckpt.CheckpointError(f"{path}: {e}") from None
                     cfg.check_resumable(state.get("config", {}))
                     print0(f"resuming from {path} (step {state['step']})")
                 elif cfg.resume == "auto":

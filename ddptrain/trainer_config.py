@@ -49,6 +49,8 @@ class TrainerConfig:
     bucket_cap_mb: float = 25.0
     comm_hook: str = "allreduce"
     nonfinite: str = "stop"
+    heartbeat_timeout_s: float | None = 30.0
+    check_replicas_every: int | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -63,6 +65,7 @@ class TrainerConfig:
             "max_steps": self.max_steps,
             "eval_every_steps": self.eval_every_steps,
             "checkpoint_every_steps": self.checkpoint_every_steps,
+            "check_replicas_every": self.check_replicas_every,
         }
         for name, value in {**positive, **optional_positive}.items():
             if value is None and name in optional_positive:
@@ -76,6 +79,11 @@ class TrainerConfig:
             raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
         if self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        if self.heartbeat_timeout_s is not None and not self.heartbeat_timeout_s > 1:
+            raise ValueError(
+                f"heartbeat_timeout_s must be > 1 s (or None to disable), got "
+                f"{self.heartbeat_timeout_s}"
+            )
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         for name, value, allowed in (

@@ -41,7 +41,7 @@ class MNISTTrainer(Trainer):
         self.args = args
 
     def build_model(self) -> torch.nn.Module:
-        return LeNet()
+        return LeNet(dropout=self.args.dropout, width=self.args.width)
 
     def build_datasets(self):
         load = mnist if self.args.dataset == "mnist" else fashion_mnist
@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default="mnist")
     p.add_argument("--data-dir", default="data", help="folder with the IDX files")
     p.add_argument("--epochs", type=int, default=14)
+    p.add_argument("--width", type=int, default=1, help="LeNet width multiplier (1 = tutorial)")
+    p.add_argument("--dropout", type=float, default=0.5)
     p.add_argument("--global-batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)

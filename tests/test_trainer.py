@@ -7,62 +7,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import TensorDataset
 
 import ddptrain
 from ddptrain import checkpoint as ckpt
-from ddptrain.trainer import Trainer
 from ddptrain.trainer_config import TrainerConfig
-
-N_TRAIN, N_EVAL = 96, 10
-
-
-class CrashAt(RuntimeError):
-    """Raised by the test trainer to simulate a job dying mid-run."""
-
-
-class ToyTrainer(Trainer):
-    """A 3-class problem from a fixed linear teacher; optional dropout and a crash step."""
-
-    def __init__(self, config, dropout=0.0, crash_at_step=None):
-        super().__init__(config)
-        self.dropout = dropout
-        self.crash_at_step = crash_at_step
-
-    def build_model(self):
-        return nn.Sequential(
-            nn.Linear(8, 32), nn.ReLU(), nn.Dropout(self.dropout), nn.Linear(32, 3)
-        )
-
-    def build_datasets(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(N_TRAIN + N_EVAL, 8, generator=g)
-        teacher = torch.randn(8, 3, generator=g)
-        y = (x @ teacher).argmax(1)
-        return (
-            TensorDataset(x[:N_TRAIN], y[:N_TRAIN]),
-            TensorDataset(x[N_TRAIN:], y[N_TRAIN:]),
-        )
-
-    def configure_optimizers(self, model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
-
-    def training_step(self, model, batch):
-        if self.crash_at_step is not None and self.step == self.crash_at_step:
-            raise CrashAt(f"simulated crash at step {self.step}")
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    def validation_step(self, model, batch):
-        x, y = batch
-        out = model(x)
-        return {
-            "loss": F.cross_entropy(out, y, reduction="sum"),
-            "accuracy": (out.argmax(1) == y).sum(),
-        }
+from toy_models import N_EVAL, ToyTrainer
 
 
 def _config(tmp_path, **overrides) -> TrainerConfig:
@@ -80,7 +29,8 @@ def _config(tmp_path, **overrides) -> TrainerConfig:
 
 
 def _run_fit(config, dropout=0.0, crash_at_step=None):
-    trainer = ToyTrainer(config, dropout=dropout, crash_at_step=crash_at_step)
+    fault = {"kind": "raise", "step": crash_at_step} if crash_at_step is not None else None
+    trainer = ToyTrainer(config, dropout=dropout, fault=fault)
     summary = trainer.fit()
     params = torch.cat([p.detach().reshape(-1) for p in trainer.model.module.parameters()])
     return summary, params

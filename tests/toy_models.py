@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from ddptrain.models import LeNet
+from ddptrain.trainer import Trainer
+
+N_TRAIN, N_EVAL = 96, 10
 
 
 class BatchNormNet(nn.Module):
@@ -99,3 +107,74 @@ def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank:
     else:
         out = model(x)
     return F.nll_loss(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+class CrashAt(RuntimeError):
+    """Raised by ToyTrainer to simulate a job dying mid-run."""
+
+
+class ToyTrainer(Trainer):
+    """A 3-class problem from a fixed linear teacher, with optional dropout and an injected fault.
+
+    fault = {"kind": "raise" | "kill" | "freeze" | "nan" | "perturb", "step": S, "rank": R
+    (default: every rank), "stamp": path to write the time of a kill/freeze}. A kill or freeze
+    happens only on a job's first attempt, so a torchrun restart runs clean.
+    """
+
+    def __init__(self, config, dropout=0.0, fault=None):
+        super().__init__(config)
+        self.dropout = dropout
+        self.fault = fault
+
+    def build_model(self):
+        return nn.Sequential(
+            nn.Linear(8, 32), nn.ReLU(), nn.Dropout(self.dropout), nn.Linear(32, 3)
+        )
+
+    def build_datasets(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(N_TRAIN + N_EVAL, 8, generator=g)
+        teacher = torch.randn(8, 3, generator=g)
+        y = (x @ teacher).argmax(1)
+        return (
+            TensorDataset(x[:N_TRAIN], y[:N_TRAIN]),
+            TensorDataset(x[N_TRAIN:], y[N_TRAIN:]),
+        )
+
+    def configure_optimizers(self, model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.7)
+
+    def training_step(self, model, batch):
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        return self._inject(model, loss)
+
+    def validation_step(self, model, batch):
+        x, y = batch
+        out = model(x)
+        return {
+            "loss": F.cross_entropy(out, y, reduction="sum"),
+            "accuracy": (out.argmax(1) == y).sum(),
+        }
+
+    def _inject(self, model, loss):
+        f = self.fault
+        if not f or self.step != f["step"] or f.get("rank", self.info.rank) != self.info.rank:
+            return loss
+        kind = f["kind"]
+        if kind == "raise":
+            raise CrashAt(f"simulated crash at step {self.step}")
+        if kind == "nan":
+            return loss * float("nan")
+        if kind == "perturb":
+            with torch.no_grad():
+                next(model.module.parameters()).add_(1e-3)
+            return loss
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+            return loss
+        if f.get("stamp"):
+            with open(f["stamp"], "w") as out:
+                out.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        return loss

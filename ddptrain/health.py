@@ -1,0 +1,153 @@
+"""Failure detection: peer heartbeats through the rendezvous store, and replica checksums.
+
+    watchdog = Heartbeat(timeout_s=30).start()     # every rank, after init_distributed()
+    ...                                            # a rank that dies or freezes is noticed
+    check_replicas(model.module)                   # every rank: identical parameters or raise
+    watchdog.stop()                                # a clean exit is not a lost rank
+
+Why heartbeats: a collective blocked on a dead peer may only fail at the backend timeout
+(30 minutes by default for NCCL). Each rank increments its own counter in the c10d store every
+`interval_s`; a peer whose counter has not moved for `timeout_s` (on this rank's own clock, so
+clock skew between hosts does not matter) is declared lost, and this process exits non-zero
+at once with the lost rank named instead of waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+LOST_RANK_EXIT_CODE = 75
+
+
+class RankLostError(RuntimeError):
+    """Another rank died or stopped responding; raised on the survivors."""
+
+
+class ReplicaDesyncError(RuntimeError):
+    """Ranks hold different parameters although they must be identical replicas."""
+
+
+class Heartbeat:
+    """A daemon thread that beats for this rank and exits the process if a peer goes silent."""
+
+    def __init__(self, timeout_s: float = 30.0, interval_s: float = 0.5, store: Any = None):
+        if not timeout_s > interval_s > 0:
+            raise ValueError(f"need timeout_s > interval_s > 0, got {timeout_s}, {interval_s}")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.timeout_s, self.interval_s = timeout_s, interval_s
+        base = store if store is not None else dist.distributed_c10d._get_default_store()
+        self._store = dist.PrefixStore("ddptrain/heartbeat", base)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="ddptrain-heartbeat", daemon=True)
+        now = time.monotonic()
+        self._seen = {r: (-1, now) for r in range(self.world_size) if r != self.rank}
+
+    def start(self) -> Heartbeat:
+        """Start beating and watching (no-op at world size 1)."""
+        if self.world_size > 1:
+            self._store.add(f"beat/{self.rank}", 1)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Mark this rank as finished cleanly (peers stop watching it) and stop the thread."""
+        if self._thread.is_alive():
+            self._stop.set()
+            self._thread.join()
+            try:
+                self._store.set(f"done/{self.rank}", "1")
+            except Exception:  # noqa: BLE001 - the store may be gone at shutdown
+                pass
+
+    def lost_ranks(self, wait_s: float | None = None) -> list[int]:
+        """Peers silent for longer than `wait_s` (default: 3 beats) as seen from here."""
+        wait_s = 3 * self.interval_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
+        while True:
+            silent = self._silent_for()
+            lost = [r for r, s in silent.items() if s >= wait_s]
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(self.interval_s / 2)
+
+    def _silent_for(self) -> dict[int, float]:
+        with self._lock:
+            return self._poll_peers()
+
+    def _poll_peers(self) -> dict[int, float]:
+        now = time.monotonic()
+        silent = {}
+        for peer in self._seen:
+            try:
+                if self._store.check([f"done/{peer}"]):
+                    continue
+                count = self._store.add(f"beat/{peer}", 0)
+            except Exception:  # noqa: BLE001 - an unreachable store: treat peers as silent
+                count = self._seen[peer][0]
+            last_count, since = self._seen[peer]
+            if count != last_count:
+                self._seen[peer] = (count, now)
+                since = now
+            silent[peer] = now - since
+        return silent
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._store.add(f"beat/{self.rank}", 1)
+            except Exception:  # noqa: BLE001 - store host gone; peers' silence decides below
+                pass
+            lost = {r: s for r, s in self._silent_for().items() if s >= self.timeout_s}
+            if lost and not self._stop.is_set():
+                names = ", ".join(f"rank {r} (silent {s:.0f} s)" for r, s in sorted(lost.items()))
+                print(
+                    f"ddptrain: rank {self.rank}: lost {names}: the process died, froze or lost "
+                    f"its network. Exiting with code {LOST_RANK_EXIT_CODE} instead of waiting "
+                    "for the collective timeout; restart the job (torchrun --max-restarts) and "
+                    "it resumes from the latest checkpoint with resume='auto'.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(LOST_RANK_EXIT_CODE)
+
+
+def replica_checksums(module: nn.Module) -> torch.Tensor:
+    """Per parameter (sum, sum of squares) in float64: cheap, and equal iff replicas agree."""
+    params = [p.detach() for p in module.parameters()]
+    if not params:
+        return torch.zeros(0, dtype=torch.float64)
+    sums = torch.stack([p.double().sum() for p in params])
+    squares = torch.stack([p.double().square().sum() for p in params])
+    return torch.stack([sums, squares], dim=1)
+
+
+def check_replicas(module: nn.Module, group: Any = None) -> None:
+    """Raise ReplicaDesyncError on every rank if any rank's parameters differ from rank 0's."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return
+    mine = replica_checksums(module)
+    if dist.get_backend(group) == "nccl":
+        mine = mine.cuda()
+    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine, group=group)
+    names = [n for n, _ in module.named_parameters()]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        differs = (theirs != everyone[0]).any(dim=1).nonzero()
+        if len(differs):
+            i = int(differs[0])
+            raise ReplicaDesyncError(
+                f"replicas diverged: rank {rank} differs from rank 0 first at parameter "
+                f"'{names[i]}' ({int(len(differs))} parameter(s) differ). Something changed "
+                "weights outside the synchronized step (a rank-local update, non-deterministic "
+                "kernel, or a bad node); restart from the last checkpoint"
+            )

@@ -1,0 +1,181 @@
+"""Fault tolerance: dead or frozen ranks, restarts, non-finite steps, replica desync, bad disks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+JOB = Path(__file__).resolve().parent / "fault_job.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_ranks(world_size: int, args: list[str], tmp_path: Path) -> list[subprocess.Popen]:
+    """Start each rank as its own process (no launcher that would kill the survivors for us)."""
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(JOB), *args],
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    return procs
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[float], list[str]]:
+    """Wait for every process; return each one's exit time and output (kill all on timeout)."""
+    deadline = time.monotonic() + timeout_s
+    exit_times: dict[int, float] = {}
+    try:
+        while len(exit_times) < len(procs):
+            for i, p in enumerate(procs):
+                if i not in exit_times and p.poll() is not None:
+                    exit_times[i] = time.time()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(len(procs))) - set(exit_times))} "
+                    f"still running after {timeout_s} s"
+                )
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [exit_times[i] for i in range(len(procs))], [p.stdout.read() for p in procs]
+
+
+def test_survivors_exit_fast_naming_a_killed_rank(tmp_path):
+    """SIGKILL of rank 2 mid-epoch: ranks 0 and 1 exit non-zero within seconds, naming rank 2."""
+    stamp = tmp_path / "killed_at"
+    procs = _launch_ranks(3, ["--fault", "kill:2:5", "--stamp", str(stamp)], tmp_path)
+    exit_times, outputs = _wait_all(procs, timeout_s=120)
+    assert procs[2].returncode == -signal.SIGKILL
+    killed_at = float(stamp.read_text())
+    for rank in (0, 1):
+        assert procs[rank].returncode != 0, outputs[rank]
+        assert "lost rank(s) [2]" in outputs[rank], outputs[rank]
+        seconds = exit_times[rank] - killed_at
+        print(f"rank {rank} exited {seconds:.2f} s after rank 2 was killed")
+        assert seconds < 20
+
+
+def test_frozen_rank_is_detected_by_the_heartbeat(tmp_path):
+    """A rank frozen by SIGSTOP is declared lost after heartbeat_timeout_s; survivors exit 75."""
+    stamp = tmp_path / "frozen_at"
+    procs = _launch_ranks(
+        2, ["--fault", "freeze:1:5", "--stamp", str(stamp), "--heartbeat-timeout", "4"], tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        exited_at = time.time()
+    finally:
+        procs[1].kill()
+    _, outputs = _wait_all(procs, timeout_s=30)
+    assert procs[0].returncode == 75, outputs[0]
+    assert "lost rank 1" in outputs[0]
+    seconds = exited_at - float(stamp.read_text())
+    print(f"rank 0 exited {seconds:.2f} s after rank 1 froze (heartbeat_timeout_s=4)")
+    assert 3 < seconds < 20
+
+
+def _torchrun(args: list[str], tmp_path: Path, restarts: int) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        f"--max-restarts={restarts}",
+        "--monitor-interval=0.5",
+        str(JOB),
+        *args,
+    ]
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    return subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_torchrun_restart_resumes_to_bitwise_equal_parameters(tmp_path):
+    """torchrun --max-restarts=1: a SIGKILLed rank restarts, resumes, ends bitwise equal."""
+    straight = _torchrun(["--ckpt-dir", "a", "--out", "a.pt"], tmp_path, restarts=0)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    faulty = _torchrun(
+        ["--ckpt-dir", "b", "--out", "b.pt", "--fault", "kill:1:7"], tmp_path, restarts=1
+    )
+    assert faulty.returncode == 0, faulty.stderr[-3000:]
+    assert "resuming from" in faulty.stdout and "ckpt-00000006.pt" in faulty.stdout
+    a = torch.load(tmp_path / "a.pt", weights_only=True)
+    b = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert a["summary"]["step"] == b["summary"]["step"] == 24
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+
+
+def test_nonfinite_gradients_stop_every_rank_and_keep_the_last_checkpoint(tmp_path):
+    """A NaN loss on rank 1 at step 4 stops both ranks with step and rank named; ckpt 3 kept."""
+    procs = _launch_ranks(2, ["--ckpt-dir", "ck", "--fault", "nan:1:4"], tmp_path)
+    _, outputs = _wait_all(procs, timeout_s=120)
+    for out, p in zip(outputs, procs, strict=True):
+        assert p.returncode != 0
+        assert "step 5: non-finite gradients (non-finite local loss on rank(s) [1])" in out, out
+        assert "ckpt-00000003.pt" in out
+    assert sorted(f.name for f in (tmp_path / "ck").glob("*.pt")) == ["ckpt-00000003.pt"]
+
+
+def test_nonfinite_skip_policy_skips_the_step_and_finishes(tmp_path):
+    """With nonfinite='skip' the bad step is skipped on every rank and training completes."""
+    procs = _launch_ranks(
+        2, ["--nonfinite", "skip", "--fault", "nan:0:4", "--out", "o.pt"], tmp_path
+    )
+    _, outputs = _wait_all(procs, timeout_s=120)
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "step 5 skipped: non-finite gradients" in outputs[0]
+    final = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert all(torch.isfinite(p).all() for p in final["params"])
+
+
+def test_replica_desync_is_detected_with_rank_and_parameter(tmp_path):
+    """A rank-local weight change is caught by the periodic checksum, naming rank and parameter."""
+    procs = _launch_ranks(2, ["--fault", "perturb:1:3", "--check-replicas-every", "2"], tmp_path)
+    _, outputs = _wait_all(procs, timeout_s=120)
+    for out, p in zip(outputs, procs, strict=True):
+        assert p.returncode != 0
+        assert "replicas diverged: rank 1 differs from rank 0 first at parameter '0.weight'" in out
