@@ -9,12 +9,13 @@ Usage:
 
 Common flags:
     --dataset {mnist,fashion-mnist}   --data-dir DIR (MNIST/raw/, raw/ or flat IDX files)
-    --epochs N   --global-batch-size 128 (split over ranks)   --lr   --momentum   --seed
+    --epochs 8   --global-batch-size 128 (split over ranks)   --lr   --momentum   --seed
+    --width 3 --dropout 0.25 (LeNet 30-60-150; --width 1 --dropout 0.5 is the tutorial's net)
     --checkpoint-dir DIR   --resume {auto,PATH}   --dry-run (a few steps, for CI)
     --target-acc 0.99 (exit 1 if final test accuracy is below it)   --comm-hook {allreduce,bf16,..}
 
 The last line printed is a summary:
-    FINAL dataset=mnist test_accuracy=0.9912 epochs=14 wall_s=... samples_per_s=... world_size=2
+    FINAL dataset=mnist test_accuracy=0.99.. epochs=8 steps=3752 wall_s=... samples_per_s=... world_size=2
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default="mnist")
     p.add_argument("--data-dir", default="data", help="folder with the IDX files")
-    p.add_argument("--epochs", type=int, default=14)
-    p.add_argument("--width", type=int, default=1, help="LeNet width multiplier (1 = tutorial)")
-    p.add_argument("--dropout", type=float, default=0.5)
+    p.add_argument("--epochs", type=int, default=8)
+    # Width 3 (30-60-150): the tutorial's 10-20-50 net tops out near 88% on Fashion-MNIST.
+    p.add_argument("--width", type=int, default=3, help="LeNet width multiplier (1 = tutorial)")
+    p.add_argument("--dropout", type=float, default=0.25)
     p.add_argument("--global-batch-size", type=int, default=128)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
