@@ -15,7 +15,8 @@ Common flags:
     --target-acc 0.99 (exit 1 if final test accuracy is below it)   --comm-hook {allreduce,bf16,..}
 
 The last line printed is a summary:
-    FINAL dataset=mnist test_accuracy=0.99.. epochs=8 steps=3752 wall_s=... samples_per_s=... world_size=2
+    FINAL dataset=mnist test_accuracy=0.99.. epochs=8 steps=3752 wall_s=.. samples_per_s=..
+          world_size=2    (one line)
 """
 
 from __future__ import annotations
