@@ -1,5 +1,7 @@
 """ddptrain: a small, readable data-parallel training framework on torch.distributed."""
 
+from ddptrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from ddptrain.data import DataPartitioner, EvalSampler, ShardedSampler
 from ddptrain.ddp import DDP, DistributedDataParallel
 from ddptrain.dist import (
     DistInfo,
@@ -11,20 +13,36 @@ from ddptrain.dist import (
     print0,
     shutdown,
 )
+from ddptrain.evaluate import evaluate
 from ddptrain.launch import WorkerError, spawn
+from ddptrain.mnist import fashion_mnist, mnist
+from ddptrain.trainer import NonFiniteError, Trainer
+from ddptrain.trainer_config import TrainerConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DDP",
+    "CheckpointError",
+    "DataPartitioner",
     "DistInfo",
     "DistributedDataParallel",
+    "EvalSampler",
+    "NonFiniteError",
+    "ShardedSampler",
+    "Trainer",
+    "TrainerConfig",
     "WorkerError",
     "all_reduce_mean",
     "all_reduce_sum",
     "broadcast_object",
+    "evaluate",
+    "fashion_mnist",
     "init_distributed",
     "is_main",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "mnist",
     "print0",
     "shutdown",
     "spawn",

@@ -38,9 +38,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddptrain import checkpoint as ckpt
-from ddptrain.data import EvalSampler, ShardedSampler
+from ddptrain.data import ShardedSampler
 from ddptrain.ddp import DistributedDataParallel
 from ddptrain.dist import DistInfo, broadcast_object, init_distributed, print0, shutdown
+from ddptrain.evaluate import evaluate, move_to
 from ddptrain.health import Heartbeat, RankLostError, check_replicas
 from ddptrain.trainer_config import TrainerConfig
 from ddptrain.trainer_log import MetricsLog, ProgressBar
@@ -236,7 +237,7 @@ class Trainer:
         optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.info.device)
         for m in range(micro):
-            batch = _to_device(next(batches), self.info.device)
+            batch = move_to(next(batches), self.info.device)
             sync = contextlib.nullcontext() if m == micro - 1 else model.no_sync()
             with sync, self._autocast():
                 loss = self.training_step(model, batch)
@@ -299,36 +300,17 @@ class Trainer:
         return torch.autocast(self.info.device.type, dtype=dtype)
 
     # ----------------------------------------------------------------------- evaluation
-    @torch.no_grad()
     def _evaluate(self, eval_set: Dataset | None) -> dict[str, float]:
-        """Exact metrics over the whole eval set: each sample scored once, on one rank."""
         if eval_set is None:
             return {}
-        module = self.model.module
-        was_training = module.training
-        module.eval()
-        sampler = EvalSampler(len(eval_set))
-        loader = DataLoader(eval_set, batch_size=self.config.eval_batch_size, sampler=sampler)
-        sums: dict[str, float] = {}
-        count = 0
-        try:
-            # The unwrapped module: no collective may run here, since shards differ in length.
-            for batch in loader:
-                batch = _to_device(batch, self.info.device)
-                with self._autocast():
-                    out = self.validation_step(module, batch)
-                for key, value in out.items():
-                    sums[key] = sums.get(key, 0.0) + float(value)
-                count += _batch_len(batch)
-        finally:
-            module.train(was_training)
-        keys = broadcast_object(sorted(sums))
-        totals = torch.tensor([sums.get(k, 0.0) for k in keys] + [count], dtype=torch.float64)
-        totals = _sum_over_ranks(totals.to(self.info.device)).cpu()
-        n = int(totals[-1].item())
-        metrics = {f"eval_{k}": totals[i].item() / max(n, 1) for i, k in enumerate(keys)}
-        metrics["eval_samples"] = n
-        return metrics
+        return evaluate(
+            self.model.module,
+            eval_set,
+            self.validation_step,
+            batch_size=self.config.eval_batch_size,
+            device=self.info.device,
+            autocast=self._autocast,
+        )
 
     def _evaluate_and_log(self, eval_set, log) -> dict[str, float]:
         metrics = self._evaluate(eval_set)
@@ -469,26 +451,6 @@ def _split_optimizers(value: Any) -> tuple[torch.optim.Optimizer, Any]:
         "configure_optimizers must return an optimizer or (optimizer, lr_scheduler), "
         f"got {type(value).__name__}"
     )
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-def _batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return len(batch)
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_len(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_len(next(iter(batch.values())))
-    raise TypeError(f"cannot tell the number of samples in a batch of type {type(batch)}")
 
 
 def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
