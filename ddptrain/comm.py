@@ -1,14 +1,16 @@
 """Hand-written collectives and communication hooks for the DDP wrapper.
 
-    ring_all_reduce(t)                             # in-place SUM over ranks, isend/irecv only
-    model = ddptrain.DDP(net, comm_hook=RingHook())          # ring inside the wrapper
-    model = ddptrain.DDP(net, comm_hook=CastHook(torch.bfloat16))   # bf16 on the wire
-    model = ddptrain.DDP(net, comm_hook=make_hook("bf16"))   # the same, by name (CLI flags)
+    ring_all_reduce(t)                                      # in-place SUM, isend/irecv only
+    model = ddptrain.DDP(net, comm_hook=RingHook())         # the ring inside the wrapper
+    model = ddptrain.DDP(net, comm_hook=make_hook("bf16"))  # bf16 buckets, default transport
+    model = ddptrain.DDP(net, comm_hook=allreduce_hook)     # force the backend's all_reduce
 
 Every hook follows the wrapper's contract: `hook(bucket, group)` gets a flat 1-D bucket already
 scaled by 1/world_size and returns something whose `wait()` leaves the SUM over ranks in it.
-Hooks that keep state (a process group, a thread, cast buffers) are constructed on every rank,
-in the same order, because constructing them may run a collective.
+A hook may also offer `allocate(numel, dtype, device)`; the wrapper then builds its buckets
+with it (SharedMemoryHook: rows of a shared file; CastHook: buckets in the wire dtype).
+Hooks that keep state (a process group, a thread, buffers) are constructed on every rank, in
+the same order, because constructing and allocating run collectives.
 """
 
 from __future__ import annotations
@@ -23,18 +25,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-HOOK_NAMES = ("allreduce", "shm", "ring", "bf16", "fp16", "ring-bf16", "ring-fp16")
+HOOK_NAMES = (
+    "allreduce",
+    "shm",
+    "ring",
+    "bf16",
+    "fp16",
+    "allreduce-bf16",
+    "allreduce-fp16",
+    "ring-bf16",
+    "ring-fp16",
+)
 SHM_DIR = "/dev/shm"
 # Room left free in SHM_DIR: a full tmpfs kills a process with SIGBUS, not an exception.
 _SHM_HEADROOM_BYTES = 256 * 1024 * 1024
 
 
-def ring_all_reduce(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+def ring_all_reduce(
+    tensor: torch.Tensor, group: Any = None, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
     """In-place SUM all_reduce of a contiguous tensor: ring reduce-scatter, then ring all-gather.
 
     Each rank sends and receives 2 * (world_size - 1) / world_size of the tensor, whatever the
     world size. At world size 2 the result is bitwise equal to `dist.all_reduce`; at larger
-    sizes the summation order differs, so results agree to rounding.
+    sizes the summation order differs, so results agree to rounding. `scratch` (same dtype, at
+    least numel / world_size elements, rounded up) is reused for receiving instead of a new
+    buffer per call.
     """
     world_size = dist.get_world_size(group)
     if world_size == 1 or tensor.numel() == 0:
@@ -47,7 +63,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     chunks = list(torch.chunk(tensor.view(-1), world_size))
     # torch.chunk returns fewer pieces when the tensor is small; empty ones keep the indexing.
     chunks += [tensor.view(-1)[:0]] * (world_size - len(chunks))
-    scratch = torch.empty_like(chunks[0])
+    if scratch is None or scratch.numel() < chunks[0].numel() or scratch.dtype != tensor.dtype:
+        scratch = torch.empty_like(chunks[0])
     for step in range(world_size - 1):
         send, recv = chunks[(rank - step) % world_size], chunks[(rank - step - 1) % world_size]
         incoming = scratch[: recv.numel()]
@@ -73,6 +90,11 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, gro
 
 def _global_rank(group: Any, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def allreduce_hook(bucket: torch.Tensor, group: Any) -> Any:
+    """The backend's in-place asynchronous SUM all_reduce (the bucket is pre-scaled)."""
+    return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 class _Done:
@@ -101,24 +123,24 @@ class RingHook:
     thread runs buckets strictly in submission order, which is the same on every rank.
     """
 
-    def __init__(self, process_group: Any = None, wire_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, process_group: Any = None) -> None:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         self.group = dist.new_group(ranks=ranks)
-        self.wire_dtype = wire_dtype
-        self._cast = _CastBuffers(wire_dtype) if wire_dtype is not None else None
+        self.world_size = dist.get_world_size(self.group)
+        # One receive buffer, grown to the largest bucket: no allocation per bucket and step.
+        self._scratch = torch.empty(0)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-ring")
 
     def __call__(self, bucket: torch.Tensor, group: Any) -> _FutureWork | _Done:
-        if dist.get_world_size(self.group) == 1:
+        if self.world_size == 1:
             return _Done()
         return _FutureWork(self._executor.submit(self._reduce, bucket))
 
     def _reduce(self, bucket: torch.Tensor) -> torch.Tensor:
-        if self._cast is None:
-            return ring_all_reduce(bucket, self.group)
-        wire = self._cast.to_wire(bucket)
-        ring_all_reduce(wire, self.group)
-        return bucket.copy_(wire)
+        needed = -(-bucket.numel() // self.world_size)
+        if self._scratch.dtype != bucket.dtype or self._scratch.numel() < needed:
+            self._scratch = torch.empty(needed, dtype=bucket.dtype, device=bucket.device)
+        return ring_all_reduce(bucket, self.group, self._scratch)
 
     def close(self) -> None:
         """Stop the worker thread (pending buckets finish first)."""
@@ -244,23 +266,26 @@ def _read(path: str) -> str | None:
 class _CastBuffers:
     """One reusable low-precision buffer per bucket, so casting allocates nothing per step."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, allocate: Any = None) -> None:
         self.dtype = dtype
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._allocate = allocate
+        self._buffers: dict[int, tuple[Any, torch.Tensor]] = {}
         self._lock = threading.Lock()
 
     def to_wire(self, bucket: torch.Tensor) -> torch.Tensor:
-        key = (bucket.data_ptr(), bucket.numel())
         with self._lock:
-            wire = self._buffers.get(key)
-            if wire is None:
-                wire = torch.empty(bucket.numel(), dtype=self.dtype, device=bucket.device)
-                self._buffers[key] = wire
+            ref, wire = self._buffers.get(bucket.data_ptr(), (None, None))
+            if ref is None or ref() is not bucket or wire.numel() != bucket.numel():
+                if self._allocate is not None:
+                    wire = self._allocate(bucket.numel(), self.dtype, bucket.device)
+                else:
+                    wire = torch.empty(bucket.numel(), dtype=self.dtype, device=bucket.device)
+                self._buffers[bucket.data_ptr()] = (weakref.ref(bucket), wire)
         return wire.copy_(bucket)
 
 
 class _CastBack:
-    """Waits for the low-precision all_reduce, then widens the result into the bucket."""
+    """Waits for the low-precision reduction, then widens the result into the bucket."""
 
     def __init__(self, work: Any, wire: torch.Tensor, bucket: torch.Tensor) -> None:
         self._work, self._wire, self._bucket = work, wire, bucket
@@ -271,33 +296,75 @@ class _CastBack:
 
 
 class CastHook:
-    """Comm hook: cast the bucket to `dtype`, all_reduce it with the backend, cast back.
+    """Comm hook: gradients travel as `dtype` (bf16/fp16): cast, reduce with `inner`, cast back.
 
-    Halves the bytes on the wire for bf16/fp16. The used-parameter flags at the bucket's tail
-    are 0/1 and survive both casts exactly. The bucket is already divided by world_size
-    before the cast, so fp16 overflows only if a single averaged value exceeds 65504.
+    `allocate` gives the wrapper buckets in `dtype` (placed by `inner.allocate` when it has
+    one, e.g. shared memory), so the casts ride on the copies the wrapper makes anyway:
+    gradients are rounded on the way into the bucket and widened on the way back into
+    `.grad`. A bucket in another dtype is cast into a reused buffer and back. `inner` defaults
+    to the backend's all_reduce. The used-parameter flags (0/1) survive the casts exactly.
+    As in torch's fp16_compress_hook, the wrapper casts and then divides by world_size, so a
+    gradient beyond fp16's 65504 overflows. Construct on every rank (allocation is collective).
     """
 
-    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
-        self._cast = _CastBuffers(dtype)
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, inner: Any = None) -> None:
         self.dtype = dtype
+        self.inner = inner
+        self._cast = _CastBuffers(dtype, getattr(inner, "allocate", None))
 
-    def __call__(self, bucket: torch.Tensor, group: Any) -> _CastBack:
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed bucket in the wire dtype (when `dtype` is floating point)."""
+        wire_dtype = self.dtype if dtype.is_floating_point else dtype
+        inner_allocate = getattr(self.inner, "allocate", None)
+        if inner_allocate is not None:
+            return inner_allocate(numel, wire_dtype, device)
+        return torch.zeros(numel, dtype=wire_dtype, device=device)
+
+    def __call__(self, bucket: torch.Tensor, group: Any) -> Any:
+        if bucket.dtype == self.dtype:
+            return self._reduce(bucket, group)
         wire = self._cast.to_wire(bucket)
-        work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return _CastBack(work, wire, bucket)
+        return _CastBack(self._reduce(wire, group), wire, bucket)
+
+    def _reduce(self, tensor: torch.Tensor, group: Any) -> Any:
+        if self.inner is None:
+            return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return self.inner(tensor, group)
+
+
+def shared_memory_usable(process_group: Any = None, on_cpu: bool = True) -> bool:
+    """Collective: whether SharedMemoryHook can serve this group (gloo, CPU, one host)."""
+    # The hook builds a group of its own, which every rank of the default group must join.
+    whole_world = process_group is None or (
+        dist.get_world_size(process_group) == dist.get_world_size()
+    )
+    gloo = dist.get_backend(process_group) == "gloo"
+    return gloo and on_cpu and whole_world and SharedMemoryHook.available(process_group)
 
 
 def make_hook(name: str, process_group: Any = None) -> Any:
-    """Build a comm hook by its CLI name (one of HOOK_NAMES); "allreduce" means the default."""
+    """Build a comm hook by its CLI name (one of HOOK_NAMES); collective: call on every rank.
+
+    "allreduce" is the backend's all_reduce; "bf16"/"fp16" cast around the default transport
+    (shared memory on one CPU host, else the backend); "allreduce-bf16" forces the backend.
+    """
     if name == "allreduce":
-        return None
+        return allreduce_hook
     if name == "shm":
         return SharedMemoryHook(process_group)
     if name == "ring":
         return RingHook(process_group)
     if name in ("bf16", "fp16"):
-        return CastHook(torch.bfloat16 if name == "bf16" else torch.float16)
+        usable = shared_memory_usable(process_group)
+        inner = SharedMemoryHook(process_group) if usable else None
+        return CastHook(torch.bfloat16 if name == "bf16" else torch.float16, inner)
+    if name in ("allreduce-bf16", "allreduce-fp16"):
+        return CastHook(torch.bfloat16 if name == "allreduce-bf16" else torch.float16)
     if name in ("ring-bf16", "ring-fp16"):
-        return RingHook(process_group, torch.bfloat16 if name == "ring-bf16" else torch.float16)
+        dtype = torch.bfloat16 if name == "ring-bf16" else torch.float16
+        return CastHook(dtype, RingHook(process_group))
     raise ValueError(f"unknown comm hook {name!r}; choose one of {', '.join(HOOK_NAMES)}")
+
+
+# The name TrainerConfig.resolve_comm_hook calls.
+get_hook = make_hook

@@ -41,7 +41,7 @@ from ddptrain.buckets import (
     assign_buckets,
     mb_to_bytes,
 )
-from ddptrain.comm import SharedMemoryHook
+from ddptrain.comm import SharedMemoryHook, allreduce_hook, shared_memory_usable
 
 # Broadcasts at construction and of buffers are coalesced in pieces of this size, as the
 # official wrapper does, so a huge model does not need a second full copy in one flat tensor.
@@ -55,11 +55,6 @@ class Waitable(Protocol):
 
 
 CommHook = Callable[[torch.Tensor, Any], Waitable]
-
-
-def allreduce_hook(bucket: torch.Tensor, group: Any) -> Waitable:
-    """Default hook: in-place asynchronous SUM all_reduce (the bucket is pre-scaled)."""
-    return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 class DistributedDataParallel(nn.Module):
@@ -140,7 +135,8 @@ class DistributedDataParallel(nn.Module):
         )
         self._bucket_params = [[order[j] for j in bucket] for bucket in buckets]
         n = len(self._params)
-        # A hook may place buckets where its transport reads them best (shared memory).
+        # A hook may place buckets where its transport reads them best (shared memory), and
+        # in the dtype it sends (bf16), so casting rides on the copies made anyway.
         allocate = getattr(self.comm_hook, "allocate", None) or _zeros
         self._param_bucket = [0] * n
         self._views: list[torch.Tensor] = [torch.empty(0)] * n
@@ -252,9 +248,15 @@ class DistributedDataParallel(nn.Module):
         elif grad.data_ptr() == view.data_ptr():
             if self.world_size != 1:
                 view.div_(self.world_size)
-        else:
+        elif view.dtype == grad.dtype:
             # Scaling while copying, as the official reducer does: one pass over the gradient.
             torch.mul(grad, 1.0 / self.world_size, out=view)
+        else:
+            # A hook's narrower wire dtype (bf16): cast, then scale, as torch's compress hooks
+            # do; a mixed-dtype mul(out=) takes a ~4x slower unvectorized path on CPU.
+            view.copy_(grad)
+            if self.world_size != 1:
+                view.mul_(1.0 / self.world_size)
 
     def _launch_ready_buckets(self) -> None:
         last = len(self._buckets) - 1
@@ -283,10 +285,11 @@ class DistributedDataParallel(nn.Module):
                 if not used_anywhere[index]:
                     continue
                 view = self._views[index]
-                if self.gradient_as_bucket_view:
+                # A hook may keep buckets in its wire dtype (bf16): such grads are copies.
+                if self.gradient_as_bucket_view and view.dtype == p.dtype:
                     p.grad = view
                 elif p.grad is None:
-                    p.grad = view.clone()
+                    p.grad = view.to(p.dtype, copy=True)
                 else:
                     p.grad.copy_(view)
         finally:
@@ -327,12 +330,7 @@ def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 def _default_hook(module: nn.Module, group: Any) -> CommHook:
     """Shared-memory buckets when every rank is a CPU process on one host, else all_reduce."""
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())
-    # The hook builds a group of its own, which every rank of the default group must join.
-    whole_world = group is None or dist.get_world_size(group) == dist.get_world_size()
-    gloo = dist.get_backend(group) == "gloo"
-    if gloo and on_cpu and whole_world and SharedMemoryHook.available(group):
-        return SharedMemoryHook(group)
-    return allreduce_hook
+    return SharedMemoryHook(group) if shared_memory_usable(group, on_cpu) else allreduce_hook
 
 
 def _verify_same_model(
