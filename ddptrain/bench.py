@@ -1,0 +1,504 @@
+"""Side-by-side step time of ddptrain's wrapper, official DDP, naive all_reduce and no comm.
+
+    python -m ddptrain.bench                        # world size 2, three models, a few minutes
+    python -m ddptrain.bench --quick                # smoke run (seconds)
+    python -m ddptrain.bench --models mlp --steps 60 --extras bf16,fp16,ring
+    python -m ddptrain.bench --world-size 3 --out bench-results/ws3
+
+All variants live in the same processes and run interleaved step by step (the order rotates
+each step), so machine noise hits them alike. A step is zero_grad, forward, backward, SGD step;
+its time is the slowest rank's, and the table shows medians. "exposed comm" is step time minus
+the compute-only floor ("local": the same step with no communication); "comm alone" is the time
+of the wrapper's bucket all_reduces with no compute, so hidden = 1 - exposed / comm alone.
+Writes <out>/bench.json, and <out>/bench.png when matplotlib is installed (extra "plot").
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import ddptrain
+from ddptrain.comm import SharedMemoryHook, make_hook, ring_all_reduce, shared_memory_usable
+from ddptrain.ddp import DistributedDataParallel
+from ddptrain.models import LeNet
+
+BASE_VARIANTS = ("ddptrain", "torch_ddp", "naive", "local")
+# Opt-in ddptrain variants: --extras name -> the comm hook (comm.make_hook name) it runs with.
+EXTRAS = {
+    "gloo": "allreduce",
+    "bf16": "bf16",
+    "fp16": "fp16",
+    "gloo-bf16": "allreduce-bf16",
+    "ring": "ring",
+}
+RING_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
+
+
+class MLP(nn.Module):
+    """Communication-heavy: ~16.8M parameters, little compute per parameter at batch 32."""
+
+    def __init__(self, width: int = 2240, depth: int = 4) -> None:
+        super().__init__()
+        dims = [784] + [width] * depth
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:], strict=False))
+        self.out = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        for layer in self.hidden:
+            x = F.relu(layer(x))
+        return self.out(x)
+
+
+class ConvNet(nn.Module):
+    """Compute-heavy: ~0.29M parameters, convolutions on 3x32x32 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(64, 128, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(128, 128, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).flatten(1))
+
+
+# name -> (model factory, input shape of one sample, per-rank batch size)
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
+    "lenet": (lambda: LeNet(dropout=0.0), (1, 28, 28), 64),
+    "mlp": (MLP, (1, 28, 28), 32),
+    "convnet": (ConvNet, (3, 32, 32), 16),
+}
+
+
+def _naive_average(model: nn.Module, world_size: int) -> None:
+    # The classic tutorial's average_gradients: one blocking all_reduce per parameter.
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            p.grad.div_(world_size)
+
+
+def _make_variant(name: str, base: nn.Module, world_size: int) -> tuple[nn.Module, Callable]:
+    """A (model, after_backward) pair for one variant, each with its own copy of the weights."""
+    module = copy.deepcopy(base)
+    after: Callable[[], None] = lambda: None  # noqa: E731
+    if name == "ddptrain":
+        model: nn.Module = DistributedDataParallel(module)
+    elif name.startswith("ddptrain_"):
+        hook = make_hook(EXTRAS[name.removeprefix("ddptrain_")])
+        model = DistributedDataParallel(module, comm_hook=hook)
+    elif name == "torch_ddp":
+        model = TorchDDP(module)
+    elif name == "naive":
+        model = module
+        after = lambda: _naive_average(module, world_size)  # noqa: E731
+    elif name == "local":
+        model = module
+    else:
+        raise ValueError(f"unknown variant {name!r}")
+    return model, after
+
+
+def _bench_model(
+    name: str, variants: list[str], steps: int, warmup: int, device: torch.device
+) -> dict[str, Any]:
+    """Per-step seconds of each variant on this rank, interleaved step by step."""
+    factory, sample_shape, batch_size = MODELS[name]
+    world_size = dist.get_world_size()
+    torch.manual_seed(0)
+    base = factory().to(device)
+    runs = {}
+    for v in variants:
+        model, after = _make_variant(v, base, world_size)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        runs[v] = (model, after, opt)
+    ours = runs.get("ddptrain", (None,))[0]
+    comm_buckets = []
+    if isinstance(ours, DistributedDataParallel):
+        # Buffers placed as the wrapper's hook places its buckets (shared memory or not).
+        alloc = getattr(ours.comm_hook, "allocate", None)
+        for nbytes in ours.bucket_sizes_bytes:
+            numel = nbytes // 4
+            comm_buckets.append(
+                alloc(numel, torch.float32, device) if alloc else torch.zeros(numel, device=device)
+            )
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(batch_size, *sample_shape, generator=g).to(device)
+    y = torch.randint(0, 10, (batch_size,), generator=g).to(device)
+    timings: dict[str, list[float]] = {v: [] for v in variants}
+    if comm_buckets:
+        timings["comm_alone"] = []
+    order = list(timings)
+    # CPU seconds of the whole process (all threads): the work a variant costs, which noise
+    # from other processes on the machine inflates far less than wall time.
+    cpu: dict[str, list[float]] = {v: [] for v in order}
+    for step in range(warmup + steps):
+        shift = step % len(order)
+        for v in order[shift:] + order[:shift]:
+            _sync(device)
+            dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            if v == "comm_alone":
+                works = [ours.comm_hook(b, None) for b in comm_buckets]
+                for w in works:
+                    w.wait()
+            else:
+                model, after, opt = runs[v]
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x), y).backward()
+                after()
+                opt.step()
+            _sync(device)
+            if step >= warmup:
+                timings[v].append(time.perf_counter() - start)
+                cpu[v].append(time.process_time() - start_cpu)
+    n_params = sum(p.numel() for p in base.parameters())
+    buckets = ours.bucket_sizes_bytes if isinstance(ours, DistributedDataParallel) else []
+    return {"timings": timings, "cpu": cpu, "params": n_params, "bucket_bytes": buckets}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _bench_ring(sizes_mb: tuple[int, ...], reps: int, device: torch.device) -> dict[str, Any]:
+    """Seconds per in-place SUM all_reduce: hand-written ring, backend, shared memory (CPU)."""
+    tensors = {mb: torch.ones(mb * 2**20 // 4, device=device) for mb in sizes_mb}
+    kinds = {
+        "ring": lambda t: ring_all_reduce(t),
+        "backend": lambda t: dist.all_reduce(t),
+    }
+    shm_tensors = {}
+    if device.type == "cpu" and shared_memory_usable():
+        shm = SharedMemoryHook()
+        shm_tensors = {mb: shm.allocate(t.numel(), t.dtype, device) for mb, t in tensors.items()}
+        kinds["shm"] = lambda t: shm(t, None).wait()
+    times: dict[str, dict[int, list[float]]] = {kind: {} for kind in kinds}
+    for rep in range(reps + 1):
+        for mb in sizes_mb:
+            order = list(kinds)[rep % len(kinds) :] + list(kinds)[: rep % len(kinds)]
+            for kind in order:
+                t = shm_tensors[mb] if kind == "shm" else tensors[mb]
+                _sync(device)
+                dist.barrier()
+                start = time.perf_counter()
+                kinds[kind](t)
+                _sync(device)
+                if rep > 0:
+                    times[kind].setdefault(mb, []).append(time.perf_counter() - start)
+    return times
+
+
+def _keep_freed_memory() -> bool:
+    """Stop glibc returning freed memory to the OS (and mapping it anew) between steps."""
+    # Stock glibc adapts its mmap/trim thresholds as it goes, so a 20 MB gradient freed in one
+    # step may be page-faulted back in the next (~11k faults, ~30 ms on the MLP) or not,
+    # depending on allocation history that interleaved variants share: the tax lands on
+    # whichever variant the history punishes. Fixed thresholds remove it for all alike.
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 1 << 30))
+
+
+def _worker(args: argparse.Namespace) -> dict[str, Any]:
+    malloc_fixed = not args.stock_malloc and _keep_freed_memory()
+    info = ddptrain.init_distributed(backend=args.backend)
+    variants = list(BASE_VARIANTS) + [f"ddptrain_{e}" for e in args.extras]
+    out: dict[str, Any] = {
+        "models": {
+            m: _bench_model(m, variants, args.steps, args.warmup, info.device) for m in args.models
+        },
+    }
+    if args.ring_reps > 0 and info.world_size > 1:
+        out["ring"] = _bench_ring(tuple(args.ring_sizes), args.ring_reps, info.device)
+    out["backend"] = info.backend
+    out["malloc_fixed_thresholds"] = malloc_fixed
+    out["device"] = str(info.device)
+    return out
+
+
+def summarize(raw: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
+    """Per-rank raw timings in, medians/ratios/bandwidths out (pure)."""
+    models = {}
+    for name in raw[0]["models"]:
+        per_rank = [r["models"][name]["timings"] for r in raw]
+        # A step is as slow as its slowest rank: the others wait for it at the next collective.
+        step_s = {
+            v: [max(ts) for ts in zip(*(t[v] for t in per_rank), strict=True)] for v in per_rank[0]
+        }
+        med_ms = {v: 1e3 * statistics.median(ts) for v, ts in step_s.items()}
+        per_rank_cpu = [r["models"][name]["cpu"] for r in raw]
+        cpu_ms = {
+            v: 1e3
+            * statistics.median(
+                statistics.fmean(c) for c in zip(*(t[v] for t in per_rank_cpu), strict=True)
+            )
+            for v in per_rank_cpu[0]
+        }
+        floor, official = med_ms.get("local"), med_ms.get("torch_ddp")
+        variants = {}
+        for v, ms in med_ms.items():
+            if v == "comm_alone":
+                continue
+            variants[v] = {
+                "median_ms": ms,
+                "p25_ms": 1e3 * _quantile(step_s[v], 0.25),
+                "p75_ms": 1e3 * _quantile(step_s[v], 0.75),
+                "cpu_ms": cpu_ms[v],
+                "vs_torch_ddp": ms / official if official else None,
+                # Median of step-by-step ratios: each pair ran back to back, under the same load.
+                "vs_torch_ddp_paired": _paired(step_s[v], step_s["torch_ddp"])
+                if official
+                else None,
+                "vs_local": ms / floor if floor else None,
+                "exposed_comm_ms": ms - floor if floor is not None and v != "local" else None,
+            }
+        entry: dict[str, Any] = {
+            "params": raw[0]["models"][name]["params"],
+            "bucket_bytes": raw[0]["models"][name]["bucket_bytes"],
+            "variants": variants,
+        }
+        if "comm_alone" in med_ms and "ddptrain" in variants:
+            exposed = variants["ddptrain"]["exposed_comm_ms"]
+            entry["comm_alone_ms"] = med_ms["comm_alone"]
+            entry["hidden_fraction"] = 1 - exposed / med_ms["comm_alone"]
+        models[name] = entry
+    out: dict[str, Any] = {"settings": settings, "models": models}
+    if "ring" in raw[0]:
+        out["ring"] = _summarize_ring([r["ring"] for r in raw])
+    return out
+
+
+def _summarize_ring(per_rank: list[dict[str, dict[int, list[float]]]]) -> list[dict[str, Any]]:
+    rows = []
+    for mb in per_rank[0]["ring"]:
+        row: dict[str, Any] = {"size_mb": int(mb)}
+        for kind in per_rank[0]:
+            seconds = statistics.median(
+                max(ts) for ts in zip(*(r[kind][mb] for r in per_rank), strict=True)
+            )
+            row[f"{kind}_ms"] = 1e3 * seconds
+            # Algorithm bandwidth: tensor bytes / time, the number nccl-tests call algbw.
+            row[f"{kind}_gbps"] = mb * 2**20 / seconds / 1e9
+        row["ring_vs_backend"] = row["ring_gbps"] / row["backend_gbps"]
+        rows.append(row)
+    return rows
+
+
+def _paired(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The human-readable tables printed at the end of a run."""
+    lines = [
+        f"{'model':<8} {'variant':<14} {'ms/step':>8} {'p25-p75':>13} {'vs DDP':>7} "
+        f"{'paired':>7} {'vs local':>8} {'exposed ms':>10} {'cpu ms':>7}"
+    ]
+    for name, entry in result["models"].items():
+        for v, row in entry["variants"].items():
+            spread = f"{row['p25_ms']:.1f}-{row['p75_ms']:.1f}"
+            paired = _fmt(row["vs_torch_ddp_paired"], ".3f")
+            lines.append(
+                f"{name:<8} {v:<14} {row['median_ms']:>8.2f} {spread:>13} "
+                f"{_fmt(row['vs_torch_ddp'], '.3f'):>7} {paired:>7} "
+                f"{_fmt(row['vs_local'], '.2f'):>8} {_fmt(row['exposed_comm_ms'], '.2f'):>10} "
+                f"{row['cpu_ms']:>7.1f}"
+            )
+        if "comm_alone_ms" in entry:
+            lines.append(
+                f"{name:<8} ddptrain comm alone {entry['comm_alone_ms']:.2f} ms over "
+                f"{len(entry['bucket_bytes'])} buckets, hidden behind backward: "
+                f"{100 * entry['hidden_fraction']:.0f}%"
+            )
+    if "ring" in result:
+        kinds = [k[:-3] for k in result["ring"][0] if k.endswith("_ms")]
+        lines += ["", f"{'size MB':>7} " + " ".join(f"{k + ' GB/s':>12}" for k in kinds)]
+        lines[-1] += f" {'ring/backend':>12}"
+        for r in result["ring"]:
+            cells = " ".join(f"{r[k + '_gbps']:>12.3f}" for k in kinds)
+            lines.append(f"{r['size_mb']:>7} {cells} {r['ring_vs_backend']:>12.2f}")
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Write the chart; False when matplotlib (extra "plot") is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = 2 if "ring" in result else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
+    ax = axes[0][0]
+    names = list(result["models"])
+    variants = list(result["models"][names[0]]["variants"])
+    width = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        ratios = [result["models"][m]["variants"][v]["vs_torch_ddp"] or 0 for m in names]
+        ax.bar([j + i * width for j in range(len(names))], ratios, width, label=v)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
+    ax.set_ylabel("median step time / official DDP's (lower is better)")
+    s = result["settings"]
+    ax.set_title(f"world size {s['world_size']}, {s['backend']}, {s['steps']} steps")
+    ax.legend(fontsize=7, ncol=2)
+    if panels == 2:
+        ax = axes[0][1]
+        sizes = [r["size_mb"] for r in result["ring"]]
+        labels = {
+            "ring": "hand-written ring",
+            "backend": "backend all_reduce",
+            "shm": "shared memory",
+        }
+        for kind, label in labels.items():
+            if f"{kind}_gbps" in result["ring"][0]:
+                ax.plot(sizes, [r[f"{kind}_gbps"] for r in result["ring"]], "o-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(mb) for mb in sizes])
+        ax.set_xlabel("tensor size (MiB, float32)")
+        ax.set_ylabel("algorithm bandwidth (GB/s)")
+        ax.set_title("all_reduce bandwidth")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; --quick shrinks everything to a smoke run."""
+    p = argparse.ArgumentParser(prog="python -m ddptrain.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--models", default="lenet,mlp,convnet", help=f"subset of {','.join(MODELS)}")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--extras",
+        default=",".join(EXTRAS),
+        help=f"opt-in ddptrain variants: subset of {','.join(EXTRAS)}, or 'none'",
+    )
+    p.add_argument("--ring-reps", type=int, default=10, help="0 skips the ring bandwidth test")
+    p.add_argument("--ring-sizes", default=",".join(map(str, RING_SIZES_MB)), help="MiB")
+    p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl if CUDA)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--quick", action="store_true", help="LeNet, 3 steps, 1 MiB ring: seconds")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--stock-malloc", action="store_true", help="keep glibc's adaptive thresholds (noisier)"
+    )
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.steps, args.warmup, args.ring_reps, args.ring_sizes = (
+            "lenet",
+            3,
+            1,
+            2,
+            "1",
+        )
+    args.models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in args.models if m not in MODELS]
+    args.extras = [] if args.extras == "none" else [e for e in args.extras.split(",") if e]
+    unknown += [e for e in args.extras if e not in EXTRAS]
+    if unknown:
+        p.error(f"unknown model/extra {unknown}; models: {list(MODELS)}, extras: {list(EXTRAS)}")
+    args.ring_sizes = [int(s) for s in args.ring_sizes.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark, print the tables, write bench.json (and bench.png); return the result."""
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    raw = ddptrain.spawn(
+        _worker, args.world_size, args, timeout_s=args.timeout_s, threads_per_rank=args.threads
+    )
+    settings = {
+        "world_size": args.world_size,
+        "backend": raw[0]["backend"],
+        "device": raw[0]["device"],
+        "threads_per_rank": args.threads,
+        "malloc_fixed_thresholds": raw[0]["malloc_fixed_thresholds"],
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "batch_size_per_rank": {m: MODELS[m][2] for m in args.models},
+        "machine": _machine(),
+        "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    result = summarize(raw, settings)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(result, indent=1))
+    print(format_table(result))
+    if not args.no_plot and plot(result, args.out / "bench.png"):
+        print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
+    else:
+        print(f"wrote {args.out / 'bench.json'}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The benchmark's smoke mode and its pure summary (speed is judged by the benchmark itself)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddptrain import bench
+
+
+def test_quick_run_writes_the_expected_json(tmp_path):
+    """--quick runs every variant on LeNet at world size 2 and writes a complete bench.json."""
+    result = bench.main(["--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    assert saved["settings"]["world_size"] == 2 and saved["settings"]["backend"] == "gloo"
+    lenet = saved["models"]["lenet"]
+    expected = list(bench.BASE_VARIANTS) + [f"ddptrain_{e}" for e in bench.EXTRAS]
+    assert list(lenet["variants"]) == expected
+    for name, row in lenet["variants"].items():
+        assert row["median_ms"] > 0 and row["cpu_ms"] > 0, name
+        assert row["p25_ms"] <= row["median_ms"] <= row["p75_ms"], name
+    assert lenet["variants"]["torch_ddp"]["vs_torch_ddp"] == 1.0
+    assert lenet["variants"]["local"]["exposed_comm_ms"] is None
+    model = bench.MODELS["lenet"][0]()
+    assert lenet["comm_alone_ms"] > 0
+    assert lenet["params"] == sum(p.numel() for p in model.parameters())
+    [ring] = saved["ring"]
+    assert ring["size_mb"] == 1 and ring["ring_gbps"] > 0 and ring["backend_gbps"] > 0
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def _raw(rank_scale: float) -> dict:
+    steps = {"torch_ddp": [0.010, 0.012, 0.011], "local": [0.005, 0.006, 0.005]}
+    steps["ddptrain"] = [0.008, 0.009, 0.010]
+    steps["comm_alone"] = [0.004, 0.004, 0.004]
+    timings = {v: [t * rank_scale for t in ts] for v, ts in steps.items()}
+    return {
+        "models": {"m": {"timings": timings, "cpu": timings, "params": 3, "bucket_bytes": [12]}},
+        "ring": {"ring": {1: [0.002, 0.002]}, "backend": {1: [0.001, 0.001]}},
+    }
+
+
+def test_summary_takes_the_slowest_rank_then_the_median():
+    """Step time is the slowest rank's; ratios, exposed comm and bandwidth follow from medians."""
+    result = bench.summarize([_raw(1.0), _raw(2.0)], {"world_size": 2})
+    m = result["models"]["m"]["variants"]
+    assert m["torch_ddp"]["median_ms"] == pytest.approx(22.0)
+    assert m["ddptrain"]["median_ms"] == pytest.approx(18.0)
+    assert m["ddptrain"]["vs_torch_ddp"] == pytest.approx(18 / 22)
+    assert m["ddptrain"]["exposed_comm_ms"] == pytest.approx(18.0 - 10.0)
+    assert result["models"]["m"]["hidden_fraction"] == pytest.approx(1 - 8.0 / 8.0)
+    [ring] = result["ring"]
+    assert ring["ring_vs_backend"] == pytest.approx(0.5)
+    assert "ddptrain" in bench.format_table(result)
