@@ -19,10 +19,11 @@ from ddptrain.comm import (
     CastHook,
     RingHook,
     SharedMemoryHook,
+    allreduce_hook,
     make_hook,
     ring_all_reduce,
 )
-from ddptrain.ddp import DistributedDataParallel, allreduce_hook
+from ddptrain.ddp import DistributedDataParallel
 
 # Sizes around the chunking edge cases: empty, fewer elements than ranks, not divisible.
 NUMELS = [0, 1, 2, 3, 5, 7, 64, 1001, 65_539]
@@ -173,9 +174,9 @@ def test_ring_hook_in_the_wrapper_matches_default(world_size, hook_name):
         assert torch.equal(r["params"], results[0]["params"])
 
 
-@pytest.mark.parametrize("hook_name", ["bf16", "fp16"])
+@pytest.mark.parametrize("hook_name", ["bf16", "fp16", "allreduce-bf16"])
 def test_compressed_training_tracks_exact_training(hook_name):
-    """30 steps of LeNet with bf16/fp16 communication: loss falls and tracks the fp32 run."""
+    """30 steps of LeNet with bf16/fp16 buckets (shm or gloo): loss falls, tracks fp32 run."""
     results = ddptrain.spawn(_train, 2, hook_name, 30, timeout_s=120)
     for r in results:
         hook, exact = r["losses"]["hook"], r["losses"]["exact"]
@@ -187,9 +188,9 @@ def test_compressed_training_tracks_exact_training(hook_name):
 
 
 def test_make_hook_names_and_errors():
-    """'allreduce' is the default (None); an unknown name lists the valid ones."""
-    assert make_hook("allreduce") is None
-    assert isinstance(make_hook("bf16"), CastHook)
+    """'allreduce' is the backend's all_reduce; an unknown name lists the valid ones."""
+    assert make_hook("allreduce") is allreduce_hook
+    assert isinstance(make_hook("allreduce-bf16"), CastHook)
     with pytest.raises(ValueError, match="ring-bf16"):
         make_hook("int8")
 
@@ -270,7 +271,7 @@ def _run_many_buckets(hook_name: str) -> dict:
     torch.manual_seed(11)
     base = toy_models.make("lenet_nodrop")
     caps = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001}
-    hook = allreduce_hook if hook_name == "allreduce" else make_hook(hook_name)
+    hook = make_hook(hook_name)
     models = {
         "hook": DistributedDataParallel(copy.deepcopy(base), comm_hook=hook, **caps),
         "torch": TorchDDP(copy.deepcopy(base)),
