@@ -19,8 +19,6 @@ import argparse
 import copy
 import json
 import os
-import platform
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
+from ddptrain.bench_report import format_table, machine, plot, summarize
 from ddptrain.comm import SharedMemoryHook, make_hook, ring_all_reduce, shared_memory_usable
 from ddptrain.ddp import DistributedDataParallel
 from ddptrain.models import LeNet
@@ -65,35 +64,30 @@ class MLP(nn.Module):
         return self.out(x)
 
 
-class ConvNet(nn.Module):
-    """Compute-heavy: ~0.29M parameters, convolutions on 3x32x32 images."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(64, 128, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(128, 128, 3, padding=1),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-        )
-        self.head = nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x).flatten(1))
+def conv_net() -> nn.Module:
+    """Compute-heavy: ~0.24M parameters, four 3x3 convolutions on 3x32x32 images."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(128, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, 10),
+    )
 
 
 # name -> (model factory, input shape of one sample, per-rank batch size)
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
     "lenet": (lambda: LeNet(dropout=0.0), (1, 28, 28), 64),
     "mlp": (MLP, (1, 28, 28), 32),
-    "convnet": (ConvNet, (3, 32, 32), 16),
+    "convnet": (conv_net, (3, 32, 32), 16),
 }
 
 
@@ -250,183 +244,6 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def summarize(raw: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, Any]:
-    """Per-rank raw timings in, medians/ratios/bandwidths out (pure)."""
-    models = {}
-    for name in raw[0]["models"]:
-        per_rank = [r["models"][name]["timings"] for r in raw]
-        # A step is as slow as its slowest rank: the others wait for it at the next collective.
-        step_s = {
-            v: [max(ts) for ts in zip(*(t[v] for t in per_rank), strict=True)] for v in per_rank[0]
-        }
-        med_ms = {v: 1e3 * statistics.median(ts) for v, ts in step_s.items()}
-        per_rank_cpu = [r["models"][name]["cpu"] for r in raw]
-        cpu_ms = {
-            v: 1e3
-            * statistics.median(
-                statistics.fmean(c) for c in zip(*(t[v] for t in per_rank_cpu), strict=True)
-            )
-            for v in per_rank_cpu[0]
-        }
-        floor, official = med_ms.get("local"), med_ms.get("torch_ddp")
-        variants = {}
-        for v, ms in med_ms.items():
-            if v == "comm_alone":
-                continue
-            variants[v] = {
-                "median_ms": ms,
-                "p25_ms": 1e3 * _quantile(step_s[v], 0.25),
-                "p75_ms": 1e3 * _quantile(step_s[v], 0.75),
-                "cpu_ms": cpu_ms[v],
-                "vs_torch_ddp": ms / official if official else None,
-                # Median of step-by-step ratios: each pair ran back to back, under the same load.
-                "vs_torch_ddp_paired": _paired(step_s[v], step_s["torch_ddp"])
-                if official
-                else None,
-                "vs_local": ms / floor if floor else None,
-                "exposed_comm_ms": ms - floor if floor is not None and v != "local" else None,
-            }
-        entry: dict[str, Any] = {
-            "params": raw[0]["models"][name]["params"],
-            "bucket_bytes": raw[0]["models"][name]["bucket_bytes"],
-            "variants": variants,
-        }
-        if "comm_alone" in med_ms and "ddptrain" in variants:
-            exposed = variants["ddptrain"]["exposed_comm_ms"]
-            entry["comm_alone_ms"] = med_ms["comm_alone"]
-            entry["hidden_fraction"] = 1 - exposed / med_ms["comm_alone"]
-        models[name] = entry
-    out: dict[str, Any] = {"settings": settings, "models": models}
-    if "ring" in raw[0]:
-        out["ring"] = _summarize_ring([r["ring"] for r in raw])
-    return out
-
-
-def _summarize_ring(per_rank: list[dict[str, dict[int, list[float]]]]) -> list[dict[str, Any]]:
-    rows = []
-    for mb in per_rank[0]["ring"]:
-        row: dict[str, Any] = {"size_mb": int(mb)}
-        for kind in per_rank[0]:
-            seconds = statistics.median(
-                max(ts) for ts in zip(*(r[kind][mb] for r in per_rank), strict=True)
-            )
-            row[f"{kind}_ms"] = 1e3 * seconds
-            # Algorithm bandwidth: tensor bytes / time, the number nccl-tests call algbw.
-            row[f"{kind}_gbps"] = mb * 2**20 / seconds / 1e9
-        row["ring_vs_backend"] = row["ring_gbps"] / row["backend_gbps"]
-        rows.append(row)
-    return rows
-
-
-def _paired(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """The human-readable tables printed at the end of a run."""
-    lines = [
-        f"{'model':<8} {'variant':<14} {'ms/step':>8} {'p25-p75':>13} {'vs DDP':>7} "
-        f"{'paired':>7} {'vs local':>8} {'exposed ms':>10} {'cpu ms':>7}"
-    ]
-    for name, entry in result["models"].items():
-        for v, row in entry["variants"].items():
-            spread = f"{row['p25_ms']:.1f}-{row['p75_ms']:.1f}"
-            paired = _fmt(row["vs_torch_ddp_paired"], ".3f")
-            lines.append(
-                f"{name:<8} {v:<14} {row['median_ms']:>8.2f} {spread:>13} "
-                f"{_fmt(row['vs_torch_ddp'], '.3f'):>7} {paired:>7} "
-                f"{_fmt(row['vs_local'], '.2f'):>8} {_fmt(row['exposed_comm_ms'], '.2f'):>10} "
-                f"{row['cpu_ms']:>7.1f}"
-            )
-        if "comm_alone_ms" in entry:
-            lines.append(
-                f"{name:<8} ddptrain comm alone {entry['comm_alone_ms']:.2f} ms over "
-                f"{len(entry['bucket_bytes'])} buckets, hidden behind backward: "
-                f"{100 * entry['hidden_fraction']:.0f}%"
-            )
-    if "ring" in result:
-        kinds = [k[:-3] for k in result["ring"][0] if k.endswith("_ms")]
-        lines += ["", f"{'size MB':>7} " + " ".join(f"{k + ' GB/s':>12}" for k in kinds)]
-        lines[-1] += f" {'ring/backend':>12}"
-        for r in result["ring"]:
-            cells = " ".join(f"{r[k + '_gbps']:>12.3f}" for k in kinds)
-            lines.append(f"{r['size_mb']:>7} {cells} {r['ring_vs_backend']:>12.2f}")
-    return "\n".join(lines)
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def plot(result: dict[str, Any], path: Path) -> bool:
-    """Write the chart; False when matplotlib (extra "plot") is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    panels = 2 if "ring" in result else 1
-    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
-    ax = axes[0][0]
-    names = list(result["models"])
-    variants = list(result["models"][names[0]]["variants"])
-    width = 0.8 / len(variants)
-    for i, v in enumerate(variants):
-        ratios = [result["models"][m]["variants"][v]["vs_torch_ddp"] or 0 for m in names]
-        ax.bar([j + i * width for j in range(len(names))], ratios, width, label=v)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
-    ax.set_ylabel("median step time / official DDP's (lower is better)")
-    s = result["settings"]
-    ax.set_title(f"world size {s['world_size']}, {s['backend']}, {s['steps']} steps")
-    ax.legend(fontsize=7, ncol=2)
-    if panels == 2:
-        ax = axes[0][1]
-        sizes = [r["size_mb"] for r in result["ring"]]
-        labels = {
-            "ring": "hand-written ring",
-            "backend": "backend all_reduce",
-            "shm": "shared memory",
-        }
-        for kind, label in labels.items():
-            if f"{kind}_gbps" in result["ring"][0]:
-                ax.plot(sizes, [r[f"{kind}_gbps"] for r in result["ring"]], "o-", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [str(mb) for mb in sizes])
-        ax.set_xlabel("tensor size (MiB, float32)")
-        ax.set_ylabel("algorithm bandwidth (GB/s)")
-        ax.set_title("all_reduce bandwidth")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def _machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; --quick shrinks everything to a smoke run."""
     p = argparse.ArgumentParser(prog="python -m ddptrain.bench", description=__doc__.split("\n")[0])
@@ -452,13 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
     if args.quick:
-        args.models, args.steps, args.warmup, args.ring_reps, args.ring_sizes = (
-            "lenet",
-            3,
-            1,
-            2,
-            "1",
-        )
+        args.models, args.steps, args.warmup = "lenet", 3, 1
+        args.ring_reps, args.ring_sizes = 2, "1"
     args.models = [m for m in args.models.split(",") if m]
     unknown = [m for m in args.models if m not in MODELS]
     args.extras = [] if args.extras == "none" else [e for e in args.extras.split(",") if e]
@@ -485,7 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": args.steps,
         "warmup": args.warmup,
         "batch_size_per_rank": {m: MODELS[m][2] for m in args.models},
-        "machine": _machine(),
+        "machine": machine(),
         "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ddptrain import bench
+from ddptrain import bench, bench_report
 
 
 def test_quick_run_writes_the_expected_json(tmp_path):
@@ -45,7 +45,7 @@ def _raw(rank_scale: float) -> dict:
 
 def test_summary_takes_the_slowest_rank_then_the_median():
     """Step time is the slowest rank's; ratios, exposed comm and bandwidth follow from medians."""
-    result = bench.summarize([_raw(1.0), _raw(2.0)], {"world_size": 2})
+    result = bench_report.summarize([_raw(1.0), _raw(2.0)], {"world_size": 2})
     m = result["models"]["m"]["variants"]
     assert m["torch_ddp"]["median_ms"] == pytest.approx(22.0)
     assert m["ddptrain"]["median_ms"] == pytest.approx(18.0)
@@ -54,4 +54,4 @@ def test_summary_takes_the_slowest_rank_then_the_median():
     assert result["models"]["m"]["hidden_fraction"] == pytest.approx(1 - 8.0 / 8.0)
     [ring] = result["ring"]
     assert ring["ring_vs_backend"] == pytest.approx(0.5)
-    assert "ddptrain" in bench.format_table(result)
+    assert "ddptrain" in bench_report.format_table(result)
