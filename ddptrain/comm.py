@@ -39,6 +39,10 @@ HOOK_NAMES = (
 SHM_DIR = "/dev/shm"
 # Room left free in SHM_DIR: a full tmpfs kills a process with SIGBUS, not an exception.
 _SHM_HEADROOM_BYTES = 256 * 1024 * 1024
+# Below this a bucket stays in private memory and goes through the backend: two barriers and a
+# thread hop cost ~0.45 ms, so gloo's own all_reduce was faster up to ~0.5-1 MiB (measured on
+# the 2-core box, world size 2; docs/benchmarks.md), and shared memory 2x faster from 4 MiB.
+SHM_MIN_BYTES = 1024 * 1024
 
 
 def ring_all_reduce(
@@ -157,12 +161,14 @@ class SharedMemoryHook:
     into every row. Two barriers per bucket: rows are full, and all chunks are summed; after
     the second no rank touches another's row, so the next backward may overwrite its own.
     A bucket not allocated here (or when the tmpfs is short of room) falls back to the
-    backend's all_reduce. One worker thread runs reductions and allocations in submission
-    order, so barriers on the hook's group never interleave across threads.
+    backend's all_reduce, as does a bucket under `min_bytes`, where the barriers cost more
+    than they save. One worker thread runs reductions and allocations in submission order, so
+    barriers on the hook's group never interleave across threads.
     """
 
-    def __init__(self, process_group: Any = None) -> None:
+    def __init__(self, process_group: Any = None, min_bytes: int = SHM_MIN_BYTES) -> None:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        self.min_bytes = min_bytes
         # A gloo group of its own: barriers that never interleave with the wrapper's collectives.
         self.group = dist.new_group(ranks=ranks, backend="gloo")
         self.world_size = dist.get_world_size(self.group)
@@ -199,7 +205,8 @@ class SharedMemoryHook:
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Collective: a zeroed bucket of `numel` elements, this rank's row of a shared file."""
-        if device.type != "cpu" or self.world_size == 1 or numel == 0:
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        if device.type != "cpu" or self.world_size == 1 or nbytes < max(1, self.min_bytes):
             return torch.zeros(numel, dtype=dtype, device=device)
         return self._executor.submit(self._allocate, numel, dtype).result()
 
@@ -224,17 +231,16 @@ class SharedMemoryHook:
         self._shared[row.data_ptr()] = flat
         return row
 
-    def __call__(self, bucket: torch.Tensor, group: Any) -> _FutureWork | _Done:
+    def __call__(self, bucket: torch.Tensor, group: Any) -> Any:
         if self.world_size == 1:
             return _Done()
-        return _FutureWork(self._executor.submit(self._reduce, bucket))
-
-    def _reduce(self, bucket: torch.Tensor) -> torch.Tensor:
         flat = self._shared.get(bucket.data_ptr())
+        if flat is None or flat.numel() != self.world_size * bucket.numel():
+            return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return _FutureWork(self._executor.submit(self._reduce, bucket, flat))
+
+    def _reduce(self, bucket: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         numel = bucket.numel()
-        if flat is None or flat.numel() != self.world_size * numel:
-            dist.all_reduce(bucket, group=self.group)
-            return bucket
         rows = flat.view(self.world_size, numel)
         lo = numel * self.rank // self.world_size
         hi = numel * (self.rank + 1) // self.world_size

@@ -16,6 +16,7 @@ import ddptrain
 import toy_models
 from ddptrain.comm import (
     SHM_DIR,
+    SHM_MIN_BYTES,
     CastHook,
     RingHook,
     SharedMemoryHook,
@@ -142,7 +143,11 @@ def _train(comm_hook_name: str, steps: int) -> dict:
     info = ddptrain.init_distributed()
     torch.manual_seed(3)
     base = toy_models.make("lenet_nodrop")
-    model = DistributedDataParallel(copy.deepcopy(base), comm_hook=make_hook(comm_hook_name))
+    if comm_hook_name == "shm-bf16":
+        hook = CastHook(torch.bfloat16, SharedMemoryHook(min_bytes=0))
+    else:
+        hook = make_hook(comm_hook_name)
+    model = DistributedDataParallel(copy.deepcopy(base), comm_hook=hook)
     exact = DistributedDataParallel(copy.deepcopy(base))
     losses = {"hook": [], "exact": []}
     for name, m in (("hook", model), ("exact", exact)):
@@ -174,7 +179,7 @@ def test_ring_hook_in_the_wrapper_matches_default(world_size, hook_name):
         assert torch.equal(r["params"], results[0]["params"])
 
 
-@pytest.mark.parametrize("hook_name", ["bf16", "fp16", "allreduce-bf16"])
+@pytest.mark.parametrize("hook_name", ["bf16", "fp16", "allreduce-bf16", "shm-bf16"])
 def test_compressed_training_tracks_exact_training(hook_name):
     """30 steps of LeNet with bf16/fp16 buckets (shm or gloo): loss falls, tracks fp32 run."""
     results = ddptrain.spawn(_train, 2, hook_name, 30, timeout_s=120)
@@ -209,7 +214,7 @@ def test_ring_hook_reraises_worker_errors():
 
 def _run_shm_vs_backend() -> dict:
     info = ddptrain.init_distributed()
-    hook = SharedMemoryHook()
+    hook = SharedMemoryHook(min_bytes=0)  # share even the tiny test buckets
     out: dict = {"float": [], "repeat": [], "prefix": hook._prefix}
     for numel in NUMELS:
         g = torch.Generator().manual_seed(numel * 7 + info.rank)
@@ -225,6 +230,14 @@ def _run_shm_vs_backend() -> dict:
     plain = torch.full((3,), float(info.rank))
     hook(plain, None).wait()  # not allocated by the hook: backend all_reduce
     out["plain"] = plain.tolist()
+    default = SharedMemoryHook()
+    small = default.allocate(1000, torch.float32, torch.device("cpu"))
+    large = default.allocate(SHM_MIN_BYTES // 4, torch.float32, torch.device("cpu"))
+    small.fill_(1.0)
+    large.fill_(1.0)
+    default(small, None).wait()
+    default(large, None).wait()
+    out["default_shared"] = [len(default._shared), small.sum().item(), large[:3].tolist()]
     out["available"] = SharedMemoryHook.available()
     hook.close()
     return out
@@ -246,6 +259,8 @@ def test_shared_memory_all_reduce_equals_backend(world_size):
         for got in r["repeat"]:
             assert torch.equal(got, torch.full_like(got, total))
         assert r["plain"] == [sum(range(world_size))] * 3
+        # Under SHM_MIN_BYTES a bucket stays private (backend all_reduce); both sum right.
+        assert r["default_shared"] == [1, 1000.0 * world_size, [float(world_size)] * 3]
     leftovers = [f for f in os.listdir(SHM_DIR) if f.startswith(os.path.basename(r["prefix"]))]
     assert leftovers == []
 
@@ -271,7 +286,8 @@ def _run_many_buckets(hook_name: str) -> dict:
     torch.manual_seed(11)
     base = toy_models.make("lenet_nodrop")
     caps = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001}
-    hook = make_hook(hook_name)
+    # min_bytes=0: these test buckets are tiny, and the shared-memory path is what is tested.
+    hook = SharedMemoryHook(min_bytes=0) if hook_name == "shm" else make_hook(hook_name)
     models = {
         "hook": DistributedDataParallel(copy.deepcopy(base), comm_hook=hook, **caps),
         "torch": TorchDDP(copy.deepcopy(base)),
