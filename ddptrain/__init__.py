@@ -13,7 +13,7 @@ from ddptrain.dist import (
     print0,
     shutdown,
 )
-from ddptrain.evaluate import evaluate
+from ddptrain.evaluation import evaluate
 from ddptrain.launch import WorkerError, spawn
 from ddptrain.mnist import fashion_mnist, mnist
 from ddptrain.trainer import NonFiniteError, Trainer

@@ -1,4 +1,4 @@
-"""Launch a function on N local processes, torchrun-style, from a notebook or a test.
+"""Launch a function on N local processes, torchrun-style, from a script, notebook or test.
 
     def train(lr):
         info = ddptrain.init_distributed()
@@ -7,9 +7,11 @@
 
     results = ddptrain.spawn(train, 2, 0.1, timeout_s=120)   # [loss of rank 0, loss of rank 1]
 
-Each worker gets RANK/LOCAL_RANK/WORLD_SIZE and a private `file://` rendezvous (no port to
-race for), so `init_distributed()` inside it joins the group. A worker's exception is re-raised
-here with its rank and traceback; on any failure or timeout every other worker is killed.
+`fn` must be importable by the fresh processes (defined in a .py module, not a notebook cell),
+as with any multiprocessing "spawn" start. Each worker gets RANK/LOCAL_RANK/WORLD_SIZE and a
+private `file://` rendezvous (no port to race for), so `init_distributed()` inside it joins the
+group. A worker's exception is re-raised here with its rank and traceback; on any failure or
+timeout every other worker is killed.
 """
 
 from __future__ import annotations

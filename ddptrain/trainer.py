@@ -41,7 +41,7 @@ from ddptrain import checkpoint as ckpt
 from ddptrain.data import ShardedSampler
 from ddptrain.ddp import DistributedDataParallel
 from ddptrain.dist import DistInfo, broadcast_object, init_distributed, print0, shutdown
-from ddptrain.evaluate import evaluate, move_to
+from ddptrain.evaluation import evaluate, move_to
 from ddptrain.health import Heartbeat, RankLostError, check_replicas
 from ddptrain.trainer_config import TrainerConfig
 from ddptrain.trainer_log import MetricsLog, ProgressBar
@@ -87,7 +87,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
-        """Train to config.max_steps or config.epochs; return a summary (rank 0's view)."""
+        """Train to config.max_steps or config.epochs; return a summary (the same on every rank)."""
         owns_group = not dist.is_initialized()
         self.info = init_distributed(self.config.backend, timeout_s=self.config.timeout_s)
         timeout = self.config.heartbeat_timeout_s
@@ -168,7 +168,10 @@ class Trainer:
         window_start, window_samples, window_loss = start, 0, torch.zeros((), device=info.device)
         metrics: dict[str, float] = {}
         last_loss = math.nan
-        evaluated_at = saved_at = self.step if resumed is not None else -1
+        # A resumed run re-evaluates even if it has no step left, so its summary has metrics;
+        # it never re-saves the step it resumed from (that file exists).
+        evaluated_at = -1
+        saved_at = self.step if resumed is not None else -1
         try:
             while self.step < total_steps:
                 sampler.set_epoch(self.epoch)
@@ -239,8 +242,10 @@ class Trainer:
         for m in range(micro):
             batch = move_to(next(batches), self.info.device)
             sync = contextlib.nullcontext() if m == micro - 1 else model.no_sync()
-            with sync, self._autocast():
-                loss = self.training_step(model, batch)
+            with sync:
+                # Forward under autocast, backward outside it, as torch.amp recommends.
+                with self._autocast():
+                    loss = self.training_step(model, batch)
                 if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                     shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
                     raise ValueError(
@@ -361,6 +366,7 @@ class Trainer:
                     except ckpt.CheckpointError as e:
                         raise ckpt.CheckpointError(f"{path}: {e}") from None
                     cfg.check_resumable(state.get("config", {}))
+                    self._refuse_later_checkpoints(int(state["step"]))
                     print0(f"resuming from {path} (step {state['step']})")
                 elif cfg.resume == "auto":
                     print0(f"resume='auto': no checkpoint in {cfg.checkpoint_dir}; starting fresh")
@@ -370,6 +376,23 @@ class Trainer:
         if error:
             raise ckpt.CheckpointError(error)
         return state
+
+    def _refuse_later_checkpoints(self, step: int) -> None:
+        """Resuming behind newer checkpoints would later collide with their step numbers."""
+        if not self.config.checkpoint_dir:
+            return
+        later = [
+            p.name
+            for p in ckpt.list_checkpoints(self.config.checkpoint_dir)
+            if (ckpt.parse_step(p.name) or 0) > step
+        ]
+        if later:
+            raise ckpt.CheckpointError(
+                f"resuming from step {step}, but {self.config.checkpoint_dir} already holds later "
+                f"checkpoints ({', '.join(later[:3])}{', ...' if len(later) > 3 else ''}); move "
+                "them away, resume from the latest with resume='auto', or use another "
+                "checkpoint_dir"
+            )
 
     def _apply_resume_state(self, state, optimizer, scheduler, scaler, sampler) -> None:
         optimizer.load_state_dict(state["optimizer"])

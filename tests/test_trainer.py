@@ -137,3 +137,18 @@ def test_config_is_keyword_only():
     """Positional construction is refused, so call sites always say what they set."""
     with pytest.raises(TypeError):
         TrainerConfig(128)  # type: ignore[misc]
+
+
+def test_resuming_a_finished_run_still_reports_metrics(tmp_path):
+    """resume='auto' on a finished run trains nothing but evaluates, so the summary has metrics."""
+    ddptrain.spawn(_run_fit, 1, _config(tmp_path, epochs=1), timeout_s=120)
+    summary, _ = ddptrain.spawn(_run_fit, 1, _config(tmp_path, epochs=1, resume="auto"))[0]
+    assert summary["step"] == 8 and summary["eval"]["eval_samples"] == N_EVAL
+
+
+def test_resuming_behind_later_checkpoints_is_refused_at_start(tmp_path):
+    """An explicit older checkpoint with later ones beside it is refused before training."""
+    ddptrain.spawn(_run_fit, 1, _config(tmp_path, epochs=2), timeout_s=120)
+    older = str(tmp_path / "ckpt" / ckpt.checkpoint_name(5))
+    with pytest.raises(ddptrain.WorkerError, match="already holds later checkpoints"):
+        ddptrain.spawn(_run_fit, 1, _config(tmp_path, epochs=2, resume=older), timeout_s=120)
