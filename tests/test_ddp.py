@@ -353,3 +353,23 @@ def test_gradient_as_bucket_view_both_modes_bitwise_equal_official(set_to_none):
             # Views: grads live in the bucket buffers; copies: one storage per parameter.
             assert d["view_storages"] == d["n_buckets"], (name, d)
             assert d["copy_storages"] > d["n_buckets"], (name, d)
+
+
+def _run_structure_changes() -> dict:
+    ddptrain.init_distributed()
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    model = DistributedDataParallel(module)
+    module.append(torch.nn.ReLU())  # no parameters: still fine
+    model(torch.ones(1, 3))
+    module[0].register_parameter("extra", torch.nn.Parameter(torch.ones(1)))
+    try:
+        model(torch.ones(1, 3))
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_parameter_added_to_an_existing_layer_is_refused_but_a_plain_layer_is_not():
+    """A new parameter on a wrapped layer is caught; appending a parameter-free layer is fine."""
+    [result] = ddptrain.spawn(_run_structure_changes, 1, timeout_s=60)
+    assert "parameters changed after wrapping" in result["error"]
