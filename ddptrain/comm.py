@@ -39,10 +39,11 @@ HOOK_NAMES = (
 SHM_DIR = "/dev/shm"
 # Room left free in SHM_DIR: a full tmpfs kills a process with SIGBUS, not an exception.
 _SHM_HEADROOM_BYTES = 256 * 1024 * 1024
-# Below this a bucket stays in private memory and goes through the backend: two barriers and a
-# thread hop cost ~0.45 ms, so gloo's own all_reduce was faster up to ~0.5-1 MiB (measured on
-# the 2-core box, world size 2; docs/benchmarks.md), and shared memory 2x faster from 4 MiB.
-SHM_MIN_BYTES = 1024 * 1024
+# Below this a bucket stays in private memory and goes through the backend: two barriers and
+# a thread hop cost about what gloo's own all_reduce does for ~100 KB. Measured at world size
+# 2 with ~10 ms of compute between reductions, as in training: equal at 85 KB, shared memory
+# ahead from 512 KB (~8% of the step at 1 MB), and 2-3x faster from 4 MB (docs/benchmarks.md).
+SHM_MIN_BYTES = 256 * 1024
 
 
 def ring_all_reduce(
