@@ -15,7 +15,6 @@ from ddptrain.dist import (
 )
 from ddptrain.evaluation import evaluate
 from ddptrain.launch import WorkerError, spawn
-from ddptrain.mnist import fashion_mnist, mnist
 from ddptrain.trainer import NonFiniteError, Trainer
 from ddptrain.trainer_config import TrainerConfig
 
@@ -37,12 +36,10 @@ __all__ = [
     "all_reduce_sum",
     "broadcast_object",
     "evaluate",
-    "fashion_mnist",
     "init_distributed",
     "is_main",
     "latest_checkpoint",
     "load_checkpoint",
-    "mnist",
     "print0",
     "shutdown",
     "spawn",
