@@ -12,10 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ddptrain.comm import HOOK_NAMES, make_hook
+
 # Settings that define the sample order and step size: a resumed run must keep them.
 RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last")
 PRECISIONS = ("fp32", "bf16", "fp16")
-COMM_HOOKS = ("allreduce", "bf16", "fp16", "ring")
+# "default" is the wrapper's own choice (shared memory for CPU ranks on one host, else the
+# backend's all_reduce); the rest are ddptrain.comm's hook names.
+COMM_HOOKS = ("default", *HOOK_NAMES)
 NONFINITE_POLICIES = ("stop", "skip")
 
 
@@ -47,7 +51,7 @@ class TrainerConfig:
     backend: str | None = None
     timeout_s: float = 300.0
     bucket_cap_mb: float = 25.0
-    comm_hook: str = "allreduce"
+    comm_hook: str = "default"
     nonfinite: str = "stop"
     heartbeat_timeout_s: float | None = 30.0
     check_replicas_every: int | None = None
@@ -137,12 +141,10 @@ class TrainerConfig:
                 )
 
     def resolve_comm_hook(self):
-        """The wrapper's communication hook for `comm_hook` (None = default all_reduce)."""
-        if self.comm_hook == "allreduce":
+        """The wrapper's communication hook for `comm_hook` (None: the wrapper's default)."""
+        if self.comm_hook == "default":
             return None
-        from ddptrain import comm
-
-        return comm.get_hook(self.comm_hook)
+        return make_hook(self.comm_hook)
 
 
 def _cuda() -> bool:

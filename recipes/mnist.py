@@ -12,7 +12,8 @@ Common flags:
     --epochs 8   --global-batch-size 128 (split over ranks)   --lr   --momentum   --seed
     --width 3 --dropout 0.25 (LeNet 30-60-150; --width 1 --dropout 0.5 is the tutorial's net)
     --checkpoint-dir DIR   --resume {auto,PATH}   --dry-run (a few steps, for CI)
-    --target-acc 0.99 (exit 1 if final test accuracy is below it)   --comm-hook {allreduce,bf16,..}
+    --target-acc 0.99 (exit 1 if final test accuracy is below it)
+    --comm-hook {default,allreduce,bf16,ring,..} (how gradients are reduced)
 
 The last line printed is a summary:
     FINAL dataset=mnist test_accuracy=0.99.. epochs=8 steps=3752 wall_s=.. samples_per_s=..
@@ -91,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log-dir", default=None, help="writes metrics.jsonl there (rank 0)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--comm-hook", choices=COMM_HOOKS, default="allreduce")
+    p.add_argument("--comm-hook", choices=COMM_HOOKS, default="default")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--dry-run", action="store_true", help="5 steps and one evaluation, for CI")
     p.add_argument("--target-acc", type=float, default=None)
