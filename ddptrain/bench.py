@@ -5,11 +5,12 @@
     python -m ddptrain.bench --models mlp --steps 60 --extras bf16,fp16,ring
     python -m ddptrain.bench --world-size 3 --out bench-results/ws3
 
-All variants live in the same processes and run interleaved step by step (the order rotates
-each step), so machine noise hits them alike. A step is zero_grad, forward, backward, SGD step;
-its time is the slowest rank's, and the table shows medians. "exposed comm" is step time minus
-the compute-only floor ("local": the same step with no communication); "comm alone" is the time
-of the wrapper's bucket all_reduces with no compute, so hidden = 1 - exposed / comm alone.
+All variants live in the same processes and take turns (the order rotates every round), so
+machine noise hits them alike. Each turn is a block of --block steps run back to back, as in
+training, after one barrier; a step is zero_grad, forward, backward, SGD step; its time is
+the block's (slowest rank's) / block, and the table shows medians. "exposed comm" is step
+time minus the compute-only floor ("local": the same step with no communication); "comm alone"
+is the wrapper's bucket reductions with no compute, so hidden = 1 - exposed / comm alone.
 Writes <out>/bench.json, and <out>/bench.png when matplotlib is installed (extra "plot").
 """
 
@@ -83,11 +84,13 @@ def conv_net() -> nn.Module:
     )
 
 
-# name -> (model factory, input shape of one sample, per-rank batch size)
-MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int]] = {
-    "lenet": (lambda: LeNet(dropout=0.0), (1, 28, 28), 64),
-    "mlp": (MLP, (1, 28, 28), 32),
-    "convnet": (conv_net, (3, 32, 32), 16),
+# name -> (model factory, input shape of one sample, per-rank batch size, default steps); the
+# cheap models get more steps, so each model gets a similar share of a run and small
+# step-time differences stand out of the noise.
+MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int, int]] = {
+    "lenet": (lambda: LeNet(dropout=0.0), (1, 28, 28), 64, 200),
+    "mlp": (MLP, (1, 28, 28), 32, 40),
+    "convnet": (conv_net, (3, 32, 32), 16, 80),
 }
 
 
@@ -121,10 +124,11 @@ def _make_variant(name: str, base: nn.Module, world_size: int) -> tuple[nn.Modul
 
 
 def _bench_model(
-    name: str, variants: list[str], steps: int, warmup: int, device: torch.device
+    name: str, variants: list[str], steps: int, warmup: int, block: int, device: torch.device
 ) -> dict[str, Any]:
-    """Per-step seconds of each variant on this rank, interleaved step by step."""
-    factory, sample_shape, batch_size = MODELS[name]
+    """Seconds per step of each variant on this rank: blocks of steps, variants interleaved."""
+    factory, sample_shape, batch_size, default_steps = MODELS[name]
+    steps = steps or default_steps
     world_size = dist.get_world_size()
     torch.manual_seed(0)
     base = factory().to(device)
@@ -153,26 +157,31 @@ def _bench_model(
     # CPU seconds of the whole process (all threads): the work a variant costs, which noise
     # from other processes on the machine inflates far less than wall time.
     cpu: dict[str, list[float]] = {v: [] for v in order}
-    for step in range(warmup + steps):
-        shift = step % len(order)
+    rounds = -(-steps // block)
+    for r in range(warmup + rounds):
+        shift = r % len(order)
         for v in order[shift:] + order[:shift]:
             _sync(device)
             dist.barrier()
             start, start_cpu = time.perf_counter(), time.process_time()
-            if v == "comm_alone":
-                works = [ours.comm_hook(b, None) for b in comm_buckets]
-                for w in works:
-                    w.wait()
-            else:
-                model, after, opt = runs[v]
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x), y).backward()
-                after()
-                opt.step()
+            # Back to back, as in training: a barrier before every step would hide how
+            # collectives behave when ranks arrive out of step (gloo's small all_reduce is
+            # ~5x slower then, measured), so only each block of steps starts aligned.
+            for _ in range(block):
+                if v == "comm_alone":
+                    works = [ours.comm_hook(b, None) for b in comm_buckets]
+                    for w in works:
+                        w.wait()
+                else:
+                    model, after, opt = runs[v]
+                    opt.zero_grad(set_to_none=True)
+                    F.cross_entropy(model(x), y).backward()
+                    after()
+                    opt.step()
             _sync(device)
-            if step >= warmup:
-                timings[v].append(time.perf_counter() - start)
-                cpu[v].append(time.process_time() - start_cpu)
+            if r >= warmup:
+                timings[v].append((time.perf_counter() - start) / block)
+                cpu[v].append((time.process_time() - start_cpu) / block)
     n_params = sum(p.numel() for p in base.parameters())
     buckets = ours.bucket_sizes_bytes if isinstance(ours, DistributedDataParallel) else []
     return {"timings": timings, "cpu": cpu, "params": n_params, "bucket_bytes": buckets}
@@ -233,7 +242,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     variants = list(BASE_VARIANTS) + [f"ddptrain_{e}" for e in args.extras]
     out: dict[str, Any] = {
         "models": {
-            m: _bench_model(m, variants, args.steps, args.warmup, info.device) for m in args.models
+            m: _bench_model(m, variants, args.steps, args.warmup, args.block, info.device)
+            for m in args.models
         },
     }
     if args.ring_reps > 0 and info.world_size > 1:
@@ -249,8 +259,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ddptrain.bench", description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--models", default="lenet,mlp,convnet", help=f"subset of {','.join(MODELS)}")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--steps", type=int, default=0, help="timed steps per variant (default: per model)"
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds before measuring")
+    p.add_argument("--block", type=int, default=4, help="back-to-back steps timed as one")
     p.add_argument(
         "--extras",
         default=",".join(EXTRAS),
@@ -269,7 +282,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=1800.0)
     args = p.parse_args(argv)
     if args.quick:
-        args.models, args.steps, args.warmup = "lenet", 3, 1
+        args.models, args.steps, args.warmup, args.block = "lenet", 3, 1, 1
         args.ring_reps, args.ring_sizes = 2, "1"
     args.models = [m for m in args.models.split(",") if m]
     unknown = [m for m in args.models if m not in MODELS]
@@ -294,8 +307,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": raw[0]["device"],
         "threads_per_rank": args.threads,
         "malloc_fixed_thresholds": raw[0]["malloc_fixed_thresholds"],
-        "steps": args.steps,
-        "warmup": args.warmup,
+        "steps": {m: args.steps or MODELS[m][3] for m in args.models},
+        "warmup_rounds": args.warmup,
+        "steps_per_block": args.block,
         "batch_size_per_rank": {m: MODELS[m][2] for m in args.models},
         "machine": machine(),
         "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],

@@ -151,7 +151,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
     ax.set_ylabel("median step time / official DDP's (lower is better)")
     s = result["settings"]
-    ax.set_title(f"world size {s['world_size']}, {s['backend']}, {s['steps']} steps")
+    ax.set_title(f"world size {s['world_size']}, {s['backend']}, medians of blocks of steps")
     ax.legend(fontsize=7, ncol=2)
     if panels == 2:
         ax = axes[0][1]
