@@ -310,8 +310,8 @@ class CastHook:
     gradients are rounded on the way into the bucket and widened on the way back into
     `.grad`. A bucket in another dtype is cast into a reused buffer and back. `inner` defaults
     to the backend's all_reduce. The used-parameter flags (0/1) survive the casts exactly.
-    As in torch's fp16_compress_hook, the wrapper casts and then divides by world_size, so a
-    gradient beyond fp16's 65504 overflows. Construct on every rank (allocation is collective).
+    The wrapper divides by world_size before narrowing, so fp16 overflows only where an
+    averaged gradient exceeds 65504. Construct on every rank (allocation is collective).
     """
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16, inner: Any = None) -> None:

@@ -46,6 +46,9 @@ from ddptrain.comm import SharedMemoryHook, allreduce_hook, shared_memory_usable
 # Broadcasts at construction and of buffers are coalesced in pieces of this size, as the
 # official wrapper does, so a huge model does not need a second full copy in one flat tensor.
 _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
+# Elements per piece when scaling and narrowing a gradient into a bf16/fp16 bucket: 256 KB of
+# fp32 stays in L2 between the multiply and the cast.
+_CAST_CHUNK = 64 * 1024
 
 
 class Waitable(Protocol):
@@ -126,6 +129,7 @@ class DistributedDataParallel(nn.Module):
             for i, p in enumerate(self._params)
         ]
         self._sync = True
+        self._scratch = torch.empty(0)
         self._step = _StepState(len(self._params), self._bucket_lens)
 
     # ----------------------------------------------------------------------------- buckets
@@ -257,11 +261,20 @@ class DistributedDataParallel(nn.Module):
             # Scaling while copying, as the official reducer does: one pass over the gradient.
             torch.mul(grad, 1.0 / self.world_size, out=view)
         else:
-            # A hook's narrower wire dtype (bf16): cast, then scale, as torch's compress hooks
-            # do; a mixed-dtype mul(out=) takes a ~4x slower unvectorized path on CPU.
-            view.copy_(grad)
-            if self.world_size != 1:
-                view.mul_(1.0 / self.world_size)
+            # A hook's narrower wire dtype (bf16): scale in the gradient's dtype through a
+            # cache-sized scratch, then cast, so memory is crossed once. On CPU a mixed-dtype
+            # mul(out=) takes a ~4x slower unvectorized path, and cast-then-scale a second
+            # pass (68 MB fp32 -> bf16, one thread: 49 / 18.5 / 14 ms).
+            if self._scratch.dtype != grad.dtype:
+                self._scratch = torch.empty(_CAST_CHUNK, dtype=grad.dtype, device=grad.device)
+            scale = 1.0 / self.world_size
+            pieces = zip(
+                grad.reshape(-1).split(_CAST_CHUNK), view.view(-1).split(_CAST_CHUNK), strict=True
+            )
+            for source, target in pieces:
+                scaled = self._scratch[: source.numel()]
+                torch.mul(source, scale, out=scaled)
+                target.copy_(scaled)
 
     def _launch_ready_buckets(self) -> None:
         step = self._step

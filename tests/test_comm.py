@@ -317,3 +317,26 @@ def test_hooks_with_many_buckets_and_no_sync_equal_official_ddp(hook_name):
     for r in ddptrain.spawn(_run_many_buckets, 2, hook_name, timeout_s=120):
         assert r["n_buckets"] > 3
         assert r["equal"]
+
+
+def _run_narrowed_gradients(hook_name: str) -> bool:
+    info = ddptrain.init_distributed()
+    torch.manual_seed(0)
+    base = torch.nn.Linear(300, 300)  # 90k weights: more than one cast piece
+    model = DistributedDataParallel(copy.deepcopy(base), comm_hook=make_hook(hook_name))
+    inputs = [torch.randn(4, 300, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    model(inputs[info.rank]).pow(2).sum().backward()
+    dtype = torch.bfloat16 if "bf16" in hook_name else torch.float16
+    expected = None
+    for x in inputs:
+        local = copy.deepcopy(base)
+        local(x).pow(2).sum().backward()
+        part = (local.weight.grad * 0.5).to(dtype)
+        expected = part if expected is None else expected + part
+    return torch.equal(model.module.weight.grad, expected.float())
+
+
+@pytest.mark.parametrize("hook_name", ["allreduce-bf16", "allreduce-fp16"])
+def test_narrow_buckets_hold_each_ranks_scaled_gradient_rounded_once(hook_name):
+    """bf16/fp16 buckets: grad = sum over ranks of round(g / world_size), widened, exactly."""
+    assert ddptrain.spawn(_run_narrowed_gradients, 2, hook_name, timeout_s=60) == [True, True]
