@@ -33,9 +33,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
 from ddptrain.bench_report import format_table, machine, plot, summarize
-from ddptrain.comm import SharedMemoryHook, make_hook, ring_all_reduce, shared_memory_usable
+from ddptrain.comm import make_hook, ring_all_reduce
 from ddptrain.ddp import DistributedDataParallel
 from ddptrain.models import LeNet
+from ddptrain.shm import SharedMemoryHook, shared_memory_usable
 
 BASE_VARIANTS = ("ddptrain", "torch_ddp", "naive", "local")
 # Opt-in ddptrain variants: --extras name -> the comm hook (comm.make_hook name) it runs with.

@@ -15,15 +15,15 @@ the same order, because constructing and allocating run collectives.
 
 from __future__ import annotations
 
-import os
 import threading
-import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ddptrain.shm import SharedMemoryHook, shared_memory_usable
 
 HOOK_NAMES = (
     "allreduce",
@@ -36,14 +36,6 @@ HOOK_NAMES = (
     "ring-bf16",
     "ring-fp16",
 )
-SHM_DIR = "/dev/shm"
-# Room left free in SHM_DIR: a full tmpfs kills a process with SIGBUS, not an exception.
-_SHM_HEADROOM_BYTES = 256 * 1024 * 1024
-# Below this a bucket stays in private memory and goes through the backend: two barriers and
-# a thread hop cost about what gloo's own all_reduce does for ~100 KB. Measured at world size
-# 2 with ~10 ms of compute between reductions, as in training: equal at 85 KB, shared memory
-# ahead from 512 KB (~8% of the step at 1 MB), and 2-3x faster from 4 MB (docs/benchmarks.md).
-SHM_MIN_BYTES = 256 * 1024
 
 
 def ring_all_reduce(
@@ -152,124 +144,6 @@ class RingHook:
         self._executor.shutdown(wait=True)
 
 
-class SharedMemoryHook:
-    """Comm hook for ranks on one host: buckets live in shared memory, each rank sums one chunk.
-
-    Gloo sends every byte through loopback TCP (copied into and out of the kernel on both
-    sides). Here the wrapper allocates its buckets with `allocate()` as rows of one shared
-    file per bucket, so rank r reads chunk r of every row, sums it (own row first, then the
-    others by rank; at world size 2 that is bitwise the backend's a + b) and writes the sum
-    into every row. Two barriers per bucket: rows are full, and all chunks are summed; after
-    the second no rank touches another's row, so the next backward may overwrite its own.
-    A bucket not allocated here (or when the tmpfs is short of room) falls back to the
-    backend's all_reduce, as does a bucket under `min_bytes`, where the barriers cost more
-    than they save. One worker thread runs reductions and allocations in submission order, so
-    barriers on the hook's group never interleave across threads.
-    """
-
-    def __init__(self, process_group: Any = None, min_bytes: int = SHM_MIN_BYTES) -> None:
-        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        self.min_bytes = min_bytes
-        # A gloo group of its own: barriers that never interleave with the wrapper's collectives.
-        self.group = dist.new_group(ranks=ranks, backend="gloo")
-        self.world_size = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        box = [uuid.uuid4().hex if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=_global_rank(self.group, 0), group=self.group)
-        self._prefix = os.path.join(SHM_DIR, f"ddptrain-{box[0]}")
-        self._allocations = 0
-        self._shared: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-shm")
-
-    @staticmethod
-    def available(process_group: Any = None) -> bool:
-        """Collective: True on every rank iff all ranks see the same SHM_DIR (one host, CPU)."""
-        world_size = dist.get_world_size(process_group)
-        if world_size == 1 or not os.path.isdir(SHM_DIR):
-            token = None
-        else:
-            token = uuid.uuid4().hex
-        box = [token]
-        dist.broadcast_object_list(box, src=_global_rank(process_group, 0), group=process_group)
-        probe = os.path.join(SHM_DIR, f"ddptrain-probe-{box[0]}")
-        rank = dist.get_rank(process_group)
-        if box[0] is not None and rank == 0:
-            with open(probe, "w") as f:
-                f.write(box[0])
-        dist.barrier(group=process_group)
-        seen = box[0] is not None and _read(probe) == box[0]
-        everyone = torch.tensor([int(seen)])
-        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=process_group)
-        if rank == 0 and box[0] is not None:
-            os.unlink(probe)
-        return bool(everyone.item())
-
-    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Collective: a zeroed bucket of `numel` elements, this rank's row of a shared file."""
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        if device.type != "cpu" or self.world_size == 1 or nbytes < max(1, self.min_bytes):
-            return torch.zeros(numel, dtype=dtype, device=device)
-        return self._executor.submit(self._allocate, numel, dtype).result()
-
-    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        path = f"{self._prefix}-{self._allocations}"
-        self._allocations += 1
-        nbytes = self.world_size * numel * torch.empty(0, dtype=dtype).element_size()
-        room = torch.tensor([0])
-        if self.rank == 0:
-            stat = os.statvfs(SHM_DIR)
-            if stat.f_bavail * stat.f_frsize >= nbytes + _SHM_HEADROOM_BYTES:
-                room[0] = 1
-                torch.from_file(path, shared=True, size=self.world_size * numel, dtype=dtype)
-        dist.broadcast(room, src=_global_rank(self.group, 0), group=self.group)
-        if not room.item():
-            return torch.zeros(numel, dtype=dtype)
-        flat = torch.from_file(path, shared=True, size=self.world_size * numel, dtype=dtype)
-        dist.barrier(group=self.group)
-        if self.rank == 0:
-            os.unlink(path)  # the mappings stay valid; nothing is left behind in the tmpfs
-        row = flat[self.rank * numel : (self.rank + 1) * numel]
-        self._shared[row.data_ptr()] = flat
-        return row
-
-    def __call__(self, bucket: torch.Tensor, group: Any) -> Any:
-        if self.world_size == 1:
-            return _Done()
-        flat = self._shared.get(bucket.data_ptr())
-        if flat is None or flat.numel() != self.world_size * bucket.numel():
-            return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return _FutureWork(self._executor.submit(self._reduce, bucket, flat))
-
-    def _reduce(self, bucket: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        numel = bucket.numel()
-        rows = flat.view(self.world_size, numel)
-        lo = numel * self.rank // self.world_size
-        hi = numel * (self.rank + 1) // self.world_size
-        dist.barrier(group=self.group)
-        if hi > lo:
-            mine = rows[self.rank, lo:hi]
-            for k in range(self.world_size):
-                if k != self.rank:
-                    mine.add_(rows[k, lo:hi])
-            for k in range(self.world_size):
-                if k != self.rank:
-                    rows[k, lo:hi].copy_(mine)
-        dist.barrier(group=self.group)
-        return bucket
-
-    def close(self) -> None:
-        """Stop the worker thread (pending buckets finish first)."""
-        self._executor.shutdown(wait=True)
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
 class _CastBuffers:
     """One reusable low-precision buffer per bucket, so casting allocates nothing per step."""
 
@@ -337,16 +211,6 @@ class CastHook:
         if self.inner is None:
             return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return self.inner(tensor, group)
-
-
-def shared_memory_usable(process_group: Any = None, on_cpu: bool = True) -> bool:
-    """Collective: whether SharedMemoryHook can serve this group (gloo, CPU, one host)."""
-    # The hook builds a group of its own, which every rank of the default group must join.
-    whole_world = process_group is None or (
-        dist.get_world_size(process_group) == dist.get_world_size()
-    )
-    gloo = dist.get_backend(process_group) == "gloo"
-    return gloo and on_cpu and whole_world and SharedMemoryHook.available(process_group)
 
 
 def make_hook(name: str, process_group: Any = None) -> Any:

@@ -18,7 +18,7 @@ buckets at the end of backward and points each `.grad` at its slot (gradient_as_
 the default: no copy back) or copies the average into it.
 
 Defaults chosen by measurement (docs/benchmarks.md): when every rank is a CPU process on one
-host under gloo, buckets live in shared memory and are summed there (comm.SharedMemoryHook)
+host under gloo, buckets live in shared memory and are summed there (shm.SharedMemoryHook)
 instead of crossing loopback TCP; elsewhere the backend's all_reduce is used. The first
 synchronized backward records the order gradients become ready, and buckets are rebuilt once
 in rank 0's order. Pass `comm_hook=allreduce_hook` to force the backend's all_reduce.
@@ -41,7 +41,8 @@ from ddptrain.buckets import (
     assign_buckets,
     mb_to_bytes,
 )
-from ddptrain.comm import SharedMemoryHook, allreduce_hook, shared_memory_usable
+from ddptrain.comm import allreduce_hook
+from ddptrain.shm import SharedMemoryHook, shared_memory_usable
 
 # Broadcasts at construction and of buffers are coalesced in pieces of this size, as the
 # official wrapper does, so a huge model does not need a second full copy in one flat tensor.

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -14,17 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
 import toy_models
-from ddptrain.comm import (
-    SHM_DIR,
-    SHM_MIN_BYTES,
-    CastHook,
-    RingHook,
-    SharedMemoryHook,
-    allreduce_hook,
-    make_hook,
-    ring_all_reduce,
-)
+from ddptrain.comm import CastHook, RingHook, allreduce_hook, make_hook, ring_all_reduce
 from ddptrain.ddp import DistributedDataParallel
+from ddptrain.shm import _COUNTER_STRIDE, SHM_DIR, SharedMemoryHook, _SharedBarrier
 
 # Sizes around the chunking edge cases: empty, fewer elements than ranks, not divisible.
 NUMELS = [0, 1, 2, 3, 5, 7, 64, 1001, 65_539]
@@ -90,10 +85,11 @@ def test_ring_all_reduce_equals_backend_all_reduce(world_size):
 def _run_ring_on_subgroup() -> list[float] | None:
     info = ddptrain.init_distributed()
     group = dist.new_group(ranks=[1, 2])
-    if info.rank == 0:
-        return None
-    t = torch.full((5,), float(info.rank))
-    return ring_all_reduce(t, group).tolist()
+    result = None
+    if info.rank != 0:
+        result = ring_all_reduce(torch.full((5,), float(info.rank)), group).tolist()
+    dist.barrier()  # nobody tears the job down while the others still talk
+    return result
 
 
 def test_ring_all_reduce_on_a_subgroup_uses_global_ranks():
@@ -230,9 +226,9 @@ def _run_shm_vs_backend() -> dict:
     plain = torch.full((3,), float(info.rank))
     hook(plain, None).wait()  # not allocated by the hook: backend all_reduce
     out["plain"] = plain.tolist()
-    default = SharedMemoryHook()
+    default = SharedMemoryHook(min_bytes=64 * 1024)
     small = default.allocate(1000, torch.float32, torch.device("cpu"))
-    large = default.allocate(SHM_MIN_BYTES // 4, torch.float32, torch.device("cpu"))
+    large = default.allocate(64 * 1024 // 4, torch.float32, torch.device("cpu"))
     small.fill_(1.0)
     large.fill_(1.0)
     default(small, None).wait()
@@ -259,7 +255,7 @@ def test_shared_memory_all_reduce_equals_backend(world_size):
         for got in r["repeat"]:
             assert torch.equal(got, torch.full_like(got, total))
         assert r["plain"] == [sum(range(world_size))] * 3
-        # Under SHM_MIN_BYTES a bucket stays private (backend all_reduce); both sum right.
+        # Under min_bytes a bucket stays private (backend all_reduce); both sum right.
         assert r["default_shared"] == [1, 1000.0 * world_size, [float(world_size)] * 3]
     leftovers = [f for f in os.listdir(SHM_DIR) if f.startswith(os.path.basename(r["prefix"]))]
     assert leftovers == []
@@ -340,3 +336,20 @@ def _run_narrowed_gradients(hook_name: str) -> bool:
 def test_narrow_buckets_hold_each_ranks_scaled_gradient_rounded_once(hook_name):
     """bf16/fp16 buckets: grad = sum over ranks of round(g / world_size), widened, exactly."""
     assert ddptrain.spawn(_run_narrowed_gradients, 2, hook_name, timeout_s=60) == [True, True]
+
+
+def test_shared_barrier_names_a_peer_that_died_and_times_out_on_a_silent_one():
+    """A waiting rank raises within a second naming a dead peer; a live silent one times out."""
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    counters = torch.zeros(2 * _COUNTER_STRIDE, dtype=torch.int64)
+    counters[1], counters[_COUNTER_STRIDE + 1] = os.getpid(), peer.pid
+    barrier = _SharedBarrier(counters, rank=0, world_size=2, timeout_s=60)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"rank 1 \\(pid {peer.pid}\\) exited"):
+        barrier.wait()
+    assert time.monotonic() - start < 10
+    peer.wait()
+    counters[_COUNTER_STRIDE + 1] = os.getpid()  # a peer that lives but never arrives
+    silent = _SharedBarrier(counters, rank=0, world_size=2, timeout_s=0.3)
+    with pytest.raises(RuntimeError, match="did not reach"):
+        silent.wait()
