@@ -152,3 +152,13 @@ def test_resuming_behind_later_checkpoints_is_refused_at_start(tmp_path):
     older = str(tmp_path / "ckpt" / ckpt.checkpoint_name(5))
     with pytest.raises(ddptrain.WorkerError, match="already holds later checkpoints"):
         ddptrain.spawn(_run_fit, 1, _config(tmp_path, epochs=2, resume=older), timeout_s=120)
+
+
+def test_unwritable_checkpoint_dir_fails_before_any_training_step(tmp_path):
+    """A checkpoint_dir that cannot be created is a clear error on every rank before step 1."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    cfg = _config(tmp_path, checkpoint_dir=str(blocker / "ckpt"))
+    with pytest.raises(ddptrain.WorkerError, match="cannot create checkpoint directory"):
+        ddptrain.spawn(_run_fit, 2, cfg, timeout_s=120)
+    assert not (tmp_path / "logs" / "metrics.jsonl").exists()
