@@ -110,10 +110,16 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{row['cpu_ms']:>7.1f}"
             )
         if "comm_alone_ms" in entry:
+            hidden = entry["hidden_fraction"]
+            if hidden > 1:
+                verdict = "all of it (exposed <= 0, within noise)"
+            elif hidden < 0:
+                verdict = "none: exposed > comm alone (copies into buckets, CPU contention)"
+            else:
+                verdict = f"{100 * hidden:.0f}%"
             lines.append(
                 f"{name:<8} ddptrain comm alone {entry['comm_alone_ms']:.2f} ms over "
-                f"{len(entry['bucket_bytes'])} buckets, hidden behind backward: "
-                f"{100 * entry['hidden_fraction']:.0f}%"
+                f"{len(entry['bucket_bytes'])} buckets; hidden behind backward: {verdict}"
             )
     if "ring" in result:
         kinds = [k[:-3] for k in result["ring"][0] if k.endswith("_ms")]
