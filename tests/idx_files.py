@@ -28,3 +28,8 @@ def write_split(folder: Path, prefix: str, n: int, gz: bool = True, seed: int = 
         data = idx_bytes(tensor)
         path = folder / (stem + (".gz" if gz else ""))
         path.write_bytes(gzip.compress(data) if gz else data)
+
+
+# The real MNIST test split CI places beside the repo (../shared), and its known label counts.
+MNIST_ROOT = Path(__file__).resolve().parents[2] / "shared/data/mnist"
+MNIST_TEST_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]

@@ -4,7 +4,6 @@ import itertools
 import math
 import random
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +19,7 @@ from ddptrain.data import (
     mnist,
     partition_indices,
 )
-
-MNIST_ROOT = Path(__file__).resolve().parents[2] / "shared/data/mnist"
-MNIST_TEST_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+from idx_files import MNIST_ROOT, MNIST_TEST_LABEL_COUNTS
 
 
 def _tutorial_partitions(n, sizes, seed):

@@ -22,10 +22,8 @@ from ddptrain.mnist import (
     mnist,
     read_idx,
 )
-from idx_files import idx_bytes, write_split
+from idx_files import MNIST_ROOT, MNIST_TEST_LABEL_COUNTS, idx_bytes, write_split
 
-MNIST_ROOT = Path(__file__).resolve().parents[2] / "shared/data/mnist"
-MNIST_TEST_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 needs_mnist = pytest.mark.skipif(
     not (MNIST_ROOT / "MNIST/raw").is_dir(), reason=f"shared MNIST not found at {MNIST_ROOT}"
 )
