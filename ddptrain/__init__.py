@@ -1,8 +1,6 @@
 """ddptrain: a small, readable data-parallel training framework on torch.distributed."""
 
-from ddptrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from ddptrain.data import DataPartitioner, EvalSampler, ShardedSampler
-from ddptrain.ddp import DDP, DistributedDataParallel
 from ddptrain.dist import (
     DistInfo,
     all_reduce_mean,
@@ -13,10 +11,12 @@ from ddptrain.dist import (
     print0,
     shutdown,
 )
-from ddptrain.evaluation import evaluate
 from ddptrain.launch import WorkerError, spawn
-from ddptrain.trainer import NonFiniteError, Trainer
-from ddptrain.trainer_config import TrainerConfig
+from ddptrain.parallel.ddp import DDP, DistributedDataParallel
+from ddptrain.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from ddptrain.train.config import TrainerConfig
+from ddptrain.train.evaluation import evaluate
+from ddptrain.train.trainer import NonFiniteError, Trainer
 
 __version__ = "0.1.0"
 

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import ddptrain
-from ddptrain.mnist import fashion_mnist, mnist
+from ddptrain.data.idx import fashion_mnist, mnist
 from ddptrain.models import LeNet
-from ddptrain.trainer import Trainer
-from ddptrain.trainer_config import COMM_HOOKS, PRECISIONS, TrainerConfig
+from ddptrain.train.config import COMM_HOOKS, PRECISIONS, TrainerConfig
+from ddptrain.train.trainer import Trainer
 
 
 class MNISTTrainer(Trainer):

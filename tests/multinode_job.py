@@ -26,8 +26,8 @@ from torch.distributed import all_gather_object
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import ddptrain
-from ddptrain.ddp import allreduce_hook
 from ddptrain.models import LeNet
+from ddptrain.parallel.ddp import allreduce_hook
 
 PER_RANK_BATCH_SIZE = 8
 _TCP_ESTABLISHED = "01"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.mnist import DEBIAN_FASHION_MNIST
+from ddptrain.data.idx import DEBIAN_FASHION_MNIST
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "mnist.py"
 

@@ -27,11 +27,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddptrain
-from ddptrain import checkpoint as ckpt
+from ddptrain.data.idx import IDXFormatError, mnist
 from ddptrain.dist import INIT_METHOD_ENV
-from ddptrain.mnist import IDXFormatError, mnist
-from ddptrain.trainer import Trainer
-from ddptrain.trainer_config import TrainerConfig
+from ddptrain.train import checkpoint as ckpt
+from ddptrain.train.config import TrainerConfig
+from ddptrain.train.trainer import Trainer
 from idx_files import write_split
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "errors.md"

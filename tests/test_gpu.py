@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
 import toy_models
-from ddptrain.ddp import DistributedDataParallel
+from ddptrain.parallel.ddp import DistributedDataParallel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,7 +51,7 @@ def test_nccl_wrapper_matches_official_ddp_on_cuda(world_size):
 
 
 def _run_fp16_trainer(tmp: str) -> dict:
-    from ddptrain.trainer_config import TrainerConfig
+    from ddptrain.train.config import TrainerConfig
 
     cfg = TrainerConfig(global_batch_size=12, epochs=2, precision="fp16", progress_bar=False)
     trainer = toy_models.ToyTrainer(cfg)

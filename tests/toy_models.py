@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddptrain.models import LeNet
-from ddptrain.trainer import Trainer
+from ddptrain.train.trainer import Trainer
 
 N_TRAIN, N_EVAL = 96, 10
 

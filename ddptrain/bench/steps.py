@@ -32,11 +32,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
-from ddptrain.bench_report import format_table, machine, plot, summarize
-from ddptrain.comm import make_hook, ring_all_reduce
-from ddptrain.ddp import DistributedDataParallel
+from ddptrain.bench.report import format_table, machine, plot, summarize
 from ddptrain.models import LeNet
-from ddptrain.shm import SharedMemoryHook, shared_memory_usable
+from ddptrain.parallel.comm import make_hook, ring_all_reduce
+from ddptrain.parallel.ddp import DistributedDataParallel
+from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 
 BASE_VARIANTS = ("ddptrain", "torch_ddp", "naive", "local")
 # Opt-in ddptrain variants: --extras name -> the comm hook (comm.make_hook name) it runs with.
@@ -325,7 +325,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         print(f"wrote {args.out / 'bench.json'}")
     return result
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""Partitioning, a resumable distributed sampler, evaluation shards, MNIST-format datasets.
+"""Partitioning, a resumable distributed sampler and evaluation shards.
 
     train_set = ddptrain.data.mnist("data", train=True)            # offline, whole split in memory
     sampler = ShardedSampler(len(train_set), global_batch_size=256, seed=0)
@@ -31,23 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
-
-from ddptrain.mnist import IDXDataset, IDXFormatError, fashion_mnist, mnist, read_idx
-
-__all__ = [
-    "DataPartitioner",
-    "EvalSampler",
-    "IDXDataset",
-    "IDXFormatError",
-    "Partition",
-    "ShardedSampler",
-    "eval_shard",
-    "fashion_mnist",
-    "global_order",
-    "mnist",
-    "partition_indices",
-    "read_idx",
-]
 
 # Float sums such as 0.7 + 0.2 + 0.1 miss 1.0 by an ulp; they still mean "all of the data".
 _SUM_TOLERANCE = 1e-9

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.shm import SharedMemoryHook, shared_memory_usable
+from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 
 HOOK_NAMES = (
     "allreduce",

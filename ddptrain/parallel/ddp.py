@@ -35,14 +35,14 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ddptrain.buckets import (
+from ddptrain.parallel.buckets import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_CAP_MB,
     assign_buckets,
     mb_to_bytes,
 )
-from ddptrain.comm import allreduce_hook
-from ddptrain.shm import SharedMemoryHook, shared_memory_usable
+from ddptrain.parallel.comm import allreduce_hook
+from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 
 # Broadcasts at construction and of buffers are coalesced in pieces of this size, as the
 # official wrapper does, so a huge model does not need a second full copy in one flat tensor.

@@ -12,13 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ddptrain.comm import HOOK_NAMES, make_hook
+from ddptrain.parallel.comm import HOOK_NAMES, make_hook
 
 # Settings that define the sample order and step size: a resumed run must keep them.
 RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # "default" is the wrapper's own choice (shared memory for CPU ranks on one host, else the
-# backend's all_reduce); the rest are ddptrain.comm's hook names.
+# backend's all_reduce); the rest are ddptrain.parallel.comm's hook names.
 COMM_HOOKS = ("default", *HOOK_NAMES)
 NONFINITE_POLICIES = ("stop", "skip")
 

@@ -37,14 +37,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ddptrain import checkpoint as ckpt
 from ddptrain.data import ShardedSampler
-from ddptrain.ddp import DistributedDataParallel
 from ddptrain.dist import DistInfo, broadcast_object, init_distributed, print0, shutdown
-from ddptrain.evaluation import evaluate, move_to
-from ddptrain.health import Heartbeat, RankLostError, check_replicas
-from ddptrain.trainer_config import TrainerConfig
-from ddptrain.trainer_log import MetricsLog, ProgressBar
+from ddptrain.parallel.ddp import DistributedDataParallel
+from ddptrain.train import checkpoint as ckpt
+from ddptrain.train.config import TrainerConfig
+from ddptrain.train.evaluation import evaluate, move_to
+from ddptrain.train.health import Heartbeat, RankLostError, check_replicas
+from ddptrain.train.log import MetricsLog, ProgressBar
 
 
 class NonFiniteError(RuntimeError):

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ddptrain import bench, bench_report
+from ddptrain.bench import report as bench_report
+from ddptrain.bench import steps as bench
 
 
 def test_quick_run_writes_the_expected_json(tmp_path):

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import ddptrain.mnist
-from ddptrain.mnist import (
+import ddptrain.data.idx
+from ddptrain.data.idx import (
     DEBIAN_FASHION_MNIST,
     IDXDataset,
     IDXFormatError,
@@ -191,8 +191,8 @@ def test_download_true_fetches_then_loads_the_split(tmp_path, monkeypatch):
     server = tmp_path / "server"
     write_split(server, "train", 40)
     md5 = {p.name: _md5(p) for p in server.iterdir()}
-    spec = dataclasses.replace(ddptrain.mnist._MNIST, mirrors=(server.as_uri() + "/",), md5=md5)
-    monkeypatch.setattr(ddptrain.mnist, "_MNIST", spec)
+    spec = dataclasses.replace(ddptrain.data.idx._MNIST, mirrors=(server.as_uri() + "/",), md5=md5)
+    monkeypatch.setattr(ddptrain.data.idx, "_MNIST", spec)
     ds = mnist(tmp_path / "root", download=True)
     assert len(ds) == 40
     assert sorted(p.name for p in (tmp_path / "root/MNIST/raw").iterdir()) == sorted(md5)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from ddptrain.buckets import MB, assign_buckets, mb_to_bytes
+from ddptrain.parallel.buckets import MB, assign_buckets, mb_to_bytes
 
 
 def test_every_index_in_exactly_one_bucket():

@@ -17,9 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
 import toy_models
-from ddptrain.comm import CastHook, RingHook, allreduce_hook, make_hook, ring_all_reduce
-from ddptrain.ddp import DistributedDataParallel
-from ddptrain.shm import _COUNTER_STRIDE, SHM_DIR, SharedMemoryHook, _SharedBarrier
+from ddptrain.parallel.comm import CastHook, RingHook, allreduce_hook, make_hook, ring_all_reduce
+from ddptrain.parallel.ddp import DistributedDataParallel
+from ddptrain.parallel.shm import _COUNTER_STRIDE, SHM_DIR, SharedMemoryHook, _SharedBarrier
 
 # Sizes around the chunking edge cases: empty, fewer elements than ranks, not divisible.
 NUMELS = [0, 1, 2, 3, 5, 7, 64, 1001, 65_539]

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
 import toy_models
-from ddptrain.ddp import DistributedDataParallel
+from ddptrain.parallel.ddp import DistributedDataParallel
 
 STEPS = 10
 WORLD_SIZES = [1, 2, 3]

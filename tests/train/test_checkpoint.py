@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-import ddptrain.checkpoint as ckpt
-from ddptrain.checkpoint import (
+import ddptrain.train.checkpoint as ckpt
+from ddptrain.train.checkpoint import (
     CheckpointError,
     best_checkpoint,
     capture_rng_state,
@@ -131,7 +131,7 @@ def test_sidecar_is_readable_json_describing_the_file(tmp_path):
 _KILLED_SAVE = """
 import os, signal, sys
 import torch
-import ddptrain.checkpoint as ckpt
+import ddptrain.train.checkpoint as ckpt
 
 stage, directory = sys.argv[1], sys.argv[2]
 real_write, real_replace = ckpt._HashingWriter.write, os.replace

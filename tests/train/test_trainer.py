@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import ddptrain
-from ddptrain import checkpoint as ckpt
-from ddptrain.trainer_config import TrainerConfig
+from ddptrain.train import checkpoint as ckpt
+from ddptrain.train.config import TrainerConfig
 from toy_models import N_EVAL, ToyTrainer
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m ddptrain.bench` (steps.py) and its report (report.py)."""

@@ -1,0 +1,3 @@
+from ddptrain.bench.steps import main
+
+main()

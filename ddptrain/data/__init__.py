@@ -1,0 +1,27 @@
+"""Data: the resumable sharded sampler, evaluation shards, the partitioner, IDX datasets."""
+
+from ddptrain.data.idx import IDXDataset, IDXFormatError, fashion_mnist, mnist, read_idx
+from ddptrain.data.sampler import (
+    DataPartitioner,
+    EvalSampler,
+    Partition,
+    ShardedSampler,
+    eval_shard,
+    global_order,
+    partition_indices,
+)
+
+__all__ = [
+    "DataPartitioner",
+    "EvalSampler",
+    "IDXDataset",
+    "IDXFormatError",
+    "Partition",
+    "ShardedSampler",
+    "eval_shard",
+    "fashion_mnist",
+    "global_order",
+    "mnist",
+    "partition_indices",
+    "read_idx",
+]

@@ -1,0 +1,1 @@
+"""Parallel: the DDP wrapper, bucket assignment, communication hooks, shared memory."""

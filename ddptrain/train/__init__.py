@@ -1,0 +1,1 @@
+"""Training: Trainer and its config, logging, checkpoints, distributed evaluation, health checks."""
