@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-JOB = Path(__file__).resolve().parent / "fault_job.py"
+JOB = Path(__file__).resolve().parents[1] / "fault_job.py"
 
 
 def _free_port() -> int:

@@ -1,8 +1,8 @@
 """A small training job with an injected fault, for the fault-tolerance tests.
 
-    torchrun --standalone --nproc_per_node=2 --max-restarts=1 tests/train/fault_job.py \\
+    torchrun --standalone --nproc_per_node=2 --max-restarts=1 tests/fault_job.py \\
         --ckpt-dir /tmp/ck --out /tmp/final.pt --fault kill:1:7
-    RANK=0 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 python tests/train/fault_job.py ...
+    RANK=0 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 python tests/fault_job.py ...
 
 Rank 0 writes the final parameters to --out. --fault KIND:RANK:STEP as in toy_models.ToyTrainer.
 """
