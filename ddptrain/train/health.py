@@ -1,8 +1,10 @@
-"""Failure detection: peer heartbeats through the rendezvous store, and replica checksums.
+"""Failure detection: peer heartbeats, replica checksums, and non-finite gradients.
 
     watchdog = Heartbeat(timeout_s=30).start()     # every rank, after init_distributed()
     ...                                            # a rank that dies or freezes is noticed
     check_replicas(model.module)                   # every rank: identical parameters or raise
+    if not torch.isfinite(grad_norm):              # every rank: raise, or warn and skip
+        on_nonfinite_gradients(local_loss, step=step + 1, policy="stop", checkpoint_dir=None)
     watchdog.stop()                                # a clean exit is not a lost rank
 
 Why heartbeats: a collective blocked on a dead peer may only fail at the backend timeout
@@ -24,6 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddptrain.dist import print0
+from ddptrain.train.checkpoint import latest_checkpoint
+
 LOST_RANK_EXIT_CODE = 75
 
 
@@ -33,6 +38,10 @@ class RankLostError(RuntimeError):
 
 class ReplicaDesyncError(RuntimeError):
     """Ranks hold different parameters although they must be identical replicas."""
+
+
+class NonFiniteError(RuntimeError):
+    """The averaged gradients were inf/NaN and the config says to stop."""
 
 
 class Heartbeat:
@@ -151,3 +160,44 @@ def check_replicas(module: nn.Module, group: Any = None) -> None:
                 "weights outside the synchronized step (a rank-local update, non-deterministic "
                 "kernel, or a bad node); restart from the last checkpoint"
             )
+
+
+def rank_lost_error(
+    error: RuntimeError, heartbeat: Heartbeat | None, rank: int, step: int
+) -> RankLostError | None:
+    """A RankLostError naming the silent peers if `error` is a collective failing on them."""
+    # Backends report a dead peer as a plain RuntimeError (gloo) or a DistError.
+    comm_failure = type(error) is RuntimeError or isinstance(error, dist.DistError)
+    lost = heartbeat.lost_ranks() if heartbeat and comm_failure else []
+    if not lost:
+        return None
+    text = str(error).strip()
+    first_line = text.splitlines()[0] if text else type(error).__name__
+    return RankLostError(
+        f"rank {rank}: lost rank(s) {lost} at step {step} (they stopped heartbeating; the "
+        f"collective failed with: {first_line[:200]}). Restart the job (torchrun "
+        "--max-restarts=N) with resume='auto' to continue from the latest checkpoint"
+    )
+
+
+def on_nonfinite_gradients(
+    local_loss: torch.Tensor, *, step: int, policy: str, checkpoint_dir: str | None
+) -> None:
+    """Raise NonFiniteError on every rank (policy "stop"), or warn (policy "skip").
+
+    Every rank calls it together: the gradients are averaged, so all see the same norm.
+    """
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool(torch.isfinite(local_loss)))
+    bad = [rank for rank, finite in enumerate(flags) if not finite]
+    where = f"non-finite local loss on rank(s) {bad}" if bad else "losses finite everywhere"
+    if policy == "skip":
+        print0(f"warning: step {step} skipped: non-finite gradients ({where})")
+        return
+    last = latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
+    raise NonFiniteError(
+        f"step {step}: non-finite gradients ({where}); stopped on every rank before the "
+        f"optimizer step, so no weights were changed. Last good checkpoint: "
+        f"{last or 'none'}. Lower the learning rate, clip gradients (grad_clip_norm), or set "
+        "nonfinite='skip' to skip such steps"
+    )

@@ -1,7 +1,10 @@
-"""Rank-0 output of the Trainer: a JSON-lines metrics file and a tqdm progress bar.
+"""Output of the Trainer: a JSON-lines metrics file and a progress bar (rank 0), and the loss
+window they report (every rank).
 
 log = MetricsLog("runs/mnist")        # appends to runs/mnist/metrics.jsonl
 log.write({"step": 10, "loss": 0.31})
+window = LossWindow(device)            # every rank: window.add(loss, samples) each step, then
+mean_loss, samples_per_s = window.report(steps)   # at a log step (a collective), which resets it
 # read back: [json.loads(line) for line in open("runs/mnist/metrics.jsonl")]
 """
 
@@ -9,9 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 
@@ -54,3 +60,44 @@ class ProgressBar:
         """Close the bar."""
         if self._bar is not None:
             self._bar.close()
+
+
+class LossWindow:
+    """Loss and samples of the steps since the last log line, on every rank."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), device=device)
+        self.samples = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        """Add one optimizer step's summed local loss and its global sample count."""
+        self.loss += loss
+        self.samples += samples
+
+    def report(self, steps: int) -> tuple[float, float]:
+        """Return (mean loss over ranks and `steps`, samples per second) and start a new window."""
+        total = self.loss.detach().clone().double()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        mean_loss = total.item() / dist.get_world_size() / steps
+        samples_per_s = self.samples / max(time.perf_counter() - self.start, 1e-9)
+        self.start, self.samples = time.perf_counter(), 0
+        self.loss.zero_()
+        return mean_loss, samples_per_s
+
+
+def describe_run(
+    cfg: Any, info: Any, sampler: Any, model: Any, total_steps: int, resumed_at: int | None
+) -> str:
+    """The one-line summary of a run that fit() prints before its first step."""
+    buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
+    return (
+        f"ddptrain: world_size={info.world_size} backend={info.backend} "
+        f"device={info.device} | global_batch_size={cfg.global_batch_size} = "
+        f"{info.world_size} ranks x {sampler.per_rank_batch_size} per rank x "
+        f"{cfg.grad_accum_steps} accumulation step(s) | {total_steps} optimizer steps "
+        f"({cfg.epochs} epoch(s) of {sampler.batches_per_epoch} micro-batches"
+        f"{'' if resumed_at is None else f', resumed at step {resumed_at}'}) | "
+        f"precision={cfg.precision} | buckets (MiB, launch order)=[{buckets}]"
+    )

@@ -29,7 +29,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,17 +38,15 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.data import ShardedSampler
-from ddptrain.dist import DistInfo, broadcast_object, init_distributed, print0, shutdown
+from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
 from ddptrain.parallel.ddp import DistributedDataParallel
-from ddptrain.train import checkpoint as ckpt
+from ddptrain.train import health, resume
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.evaluation import evaluate, move_to
-from ddptrain.train.health import Heartbeat, RankLostError, check_replicas
-from ddptrain.train.log import MetricsLog, ProgressBar
+from ddptrain.train.health import Heartbeat, NonFiniteError
+from ddptrain.train.log import LossWindow, MetricsLog, ProgressBar, describe_run
 
-
-class NonFiniteError(RuntimeError):
-    """The averaged gradients were inf/NaN and the config says to stop."""
+__all__ = ["NonFiniteError", "Trainer"]
 
 
 class Trainer:
@@ -85,7 +83,7 @@ class Trainer:
         """Return per-batch SUMS of metrics; fit() divides by the exact global sample count."""
         raise NotImplementedError("override validation_step(model, batch) to evaluate")
 
-    # ----------------------------------------------------------------------- the loop
+    # ----------------------------------------------------------------------- the recipe
     def fit(self) -> dict[str, Any]:
         """Train to config.max_steps or config.epochs; return a summary (the same on every rank)."""
         owns_group = not dist.is_initialized()
@@ -95,18 +93,10 @@ class Trainer:
         try:
             return self._fit(self.info)
         except RuntimeError as e:
-            # Backends report a dead peer as a plain RuntimeError (gloo) or a DistError.
-            comm_failure = type(e) is RuntimeError or isinstance(e, dist.DistError)
-            lost = self._heartbeat.lost_ranks() if self._heartbeat and comm_failure else []
-            if not lost:
+            lost = health.rank_lost_error(e, self._heartbeat, self.info.rank, self.step)
+            if lost is None:
                 raise
-            first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise RankLostError(
-                f"rank {self.info.rank}: lost rank(s) {lost} at step {self.step} (they stopped "
-                f"heartbeating; the collective failed with: {first_line[:200]}). Restart the job "
-                "(torchrun --max-restarts=N) with resume='auto' to continue from the latest "
-                "checkpoint"
-            ) from e
+            raise lost from e
         finally:
             if self._heartbeat:
                 self._heartbeat.stop()
@@ -115,187 +105,172 @@ class Trainer:
 
     def _fit(self, info: DistInfo) -> dict[str, Any]:
         cfg = self.config
+        # 1. Init: one seed everywhere, so every rank builds the same model and data order.
         cfg.check_world_size(info.world_size)
         torch.manual_seed(cfg.seed)
+        # 2. Data.
+        train_set, eval_set = self._build_datasets()
+        # 3. Model; on resume rank 0 loads the checkpoint's weights into it here.
+        module = self.build_model().to(info.device)
+        resume_state = self._read_checkpoint(module)
+        # 4. Wrap: rank 0's weights reach every rank.
+        self.model = self._wrap_model(module)
+        self.sampler = self._build_sampler(len(train_set))
+        self.total_steps = self._total_steps(self.sampler)
+        # 5. Optimizer (after total_steps, which schedules read).
+        self.optimizer, self.scheduler = self._build_optimizer(module)
+        self.scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
+        # Each rank draws its own dropout masks, reproducibly.
+        torch.manual_seed(cfg.seed + 1 + info.rank)
+        # 6. Resume the optimizer, sampler and RNG states.
+        if resume_state is not None:
+            self.step, self.epoch = resume.apply_resume_state(
+                resume_state, cfg, info, self.optimizer, self.scheduler, self.scaler, self.sampler
+            )
+        loader = self._build_loader(train_set)
+        resumed = resume_state is not None
+        self._announce(resumed)
+        # 7. Loop, then 8. a final evaluation and save.
+        self._open_logs(resumed)
+        try:
+            self._train(loader, eval_set)
+            self._finish(eval_set)
+        finally:
+            self._close_logs()
+        return self._summary()
+
+    # ----------------------------------------------------------------------- building
+    def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
         train_set, eval_set = self.build_datasets()
         if len(train_set) == 0:
             raise ValueError(
                 "the training dataset is empty; build_datasets() returned 0 samples: check the "
                 "data path and any filtering in build_datasets()"
             )
-        if cfg.global_batch_size > len(train_set):
+        if self.config.global_batch_size > len(train_set):
             raise ValueError(
-                f"global_batch_size {cfg.global_batch_size} is larger than the training set "
-                f"({len(train_set)} samples); use global_batch_size <= {len(train_set)}"
+                f"global_batch_size {self.config.global_batch_size} is larger than the training "
+                f"set ({len(train_set)} samples); use global_batch_size <= {len(train_set)}"
             )
-        module = self.build_model().to(info.device)
-        if cfg.checkpoint_dir:
-            self._check_checkpoint_dir(module)
-        resumed = self._load_resume_state(module)
-        model = DistributedDataParallel(
+        return train_set, eval_set
+
+    def _read_checkpoint(self, module: nn.Module) -> dict[str, Any] | None:
+        if self.config.checkpoint_dir:
+            resume.check_checkpoint_dir(self.config, self.info, module)
+        return resume.read_resume_state(self.config, self.info, module)
+
+    def _wrap_model(self, module: nn.Module) -> DistributedDataParallel:
+        cfg = self.config
+        return DistributedDataParallel(
             module, bucket_cap_mb=cfg.bucket_cap_mb, comm_hook=cfg.resolve_comm_hook()
         )
-        self.model = model
-        sampler = ShardedSampler(
-            len(train_set),
+
+    def _build_sampler(self, num_samples: int) -> ShardedSampler:
+        cfg = self.config
+        return ShardedSampler(
+            num_samples,
             global_batch_size=cfg.micro_global_batch_size,
             shuffle=cfg.shuffle,
             seed=cfg.seed,
             drop_last=cfg.drop_last,
         )
-        self.total_steps = self._total_steps(sampler)
-        optimizer, scheduler = _split_optimizers(self.configure_optimizers(module))
-        scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
-        # Each rank draws its own dropout masks, reproducibly.
-        torch.manual_seed(cfg.seed + 1 + info.rank)
-        if resumed is not None:
-            self._apply_resume_state(resumed, optimizer, scheduler, scaler, sampler)
-        loader = DataLoader(
+
+    def _build_optimizer(self, module: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+        return _split_optimizers(self.configure_optimizers(module))
+
+    def _build_loader(self, train_set: Dataset) -> DataLoader:
+        return DataLoader(
             train_set,
-            batch_size=sampler.per_rank_batch_size,
-            sampler=sampler,
-            num_workers=cfg.num_workers,
-            pin_memory=info.device.type == "cuda",
+            batch_size=self.sampler.per_rank_batch_size,
+            sampler=self.sampler,
+            num_workers=self.config.num_workers,
+            pin_memory=self.info.device.type == "cuda",
             # Its own generator: iter(loader) draws a worker seed, which must not consume the
             # global RNG that dropout uses, or a resumed run would draw different masks.
-            generator=torch.Generator().manual_seed(cfg.seed),
+            generator=torch.Generator().manual_seed(self.config.seed),
         )
-        total_steps = self.total_steps
-        self._announce(model, sampler, total_steps, resumed is not None)
-        log = MetricsLog(cfg.log_dir) if info.is_main and cfg.log_dir else None
-        bar = ProgressBar(total_steps, self.step, enabled=info.is_main and _want_bar(cfg))
-        start, first_step = time.perf_counter(), self.step
-        window_start, window_samples, window_loss = start, 0, torch.zeros((), device=info.device)
-        metrics: dict[str, float] = {}
-        last_loss = math.nan
-        # A resumed run re-evaluates even if it has no step left, so its summary has metrics;
-        # it never re-saves the step it resumed from (that file exists).
-        evaluated_at = -1
-        saved_at = self.step if resumed is not None else -1
-        try:
-            while self.step < total_steps:
-                sampler.set_epoch(self.epoch)
-                batches = iter(loader)
-                while sampler.num_batches > 0 and self.step < total_steps:
-                    micro = min(cfg.grad_accum_steps, sampler.num_batches)
-                    loss, stepped = self._train_step(
-                        model, batches, micro, optimizer, scaler, sampler
-                    )
-                    if scheduler is not None and stepped:
-                        scheduler.step()
-                    self.step += 1
-                    if cfg.check_replicas_every and self.step % cfg.check_replicas_every == 0:
-                        check_replicas(model.module)
-                    window_loss += loss
-                    window_samples += micro * cfg.micro_global_batch_size
-                    if self.step % cfg.log_every_steps == 0 or self.step == total_steps:
-                        steps_in_window = (self.step - 1) % cfg.log_every_steps + 1
-                        last_loss = _mean_over_ranks(window_loss) / steps_in_window
-                        elapsed = time.perf_counter() - window_start
-                        record = {
-                            "step": self.step,
-                            "epoch": self.epoch,
-                            "loss": last_loss,
-                            "lr": optimizer.param_groups[0]["lr"],
-                            "samples_per_s": window_samples / max(elapsed, 1e-9),
-                            "time_s": time.perf_counter() - start,
-                        }
-                        bar.update(self.step, record)
-                        if log:
-                            log.write(record)
-                        window_start, window_samples = time.perf_counter(), 0
-                        window_loss.zero_()
-                    epoch_done = sampler.num_batches == 0
-                    if _due(self.step, cfg.eval_every_steps, epoch_done):
-                        metrics, evaluated_at = self._evaluate_and_log(eval_set, log), self.step
-                    if cfg.checkpoint_dir and _due(
-                        self.step, cfg.checkpoint_every_steps, epoch_done
-                    ):
-                        self._save(model, optimizer, scheduler, scaler, sampler, metrics)
-                        saved_at = self.step
-                if sampler.num_batches == 0:
-                    self.epoch += 1
-            if evaluated_at != self.step:
-                metrics = self._evaluate_and_log(eval_set, log)
-            if cfg.checkpoint_dir and saved_at != self.step:
-                self._save(model, optimizer, scheduler, scaler, sampler, metrics)
-        finally:
-            bar.close()
-            if log:
-                log.close()
-        wall_s = time.perf_counter() - start
-        trained = (self.step - first_step) * cfg.global_batch_size
-        return {
-            "samples_per_s": trained / max(wall_s, 1e-9),
-            "step": self.step,
-            "epoch": self.epoch,
-            "train_loss": last_loss,
-            "eval": metrics,
-            "wall_s": wall_s,
-            "world_size": info.world_size,
-        }
 
-    def _train_step(self, model, batches: Iterator, micro: int, optimizer, scaler, sampler):
-        cfg = self.config
-        optimizer.zero_grad(set_to_none=True)
+    # ----------------------------------------------------------------------- the loop
+    def _train(self, loader: DataLoader, eval_set: Dataset | None) -> None:
+        while self.step < self.total_steps:
+            self.sampler.set_epoch(self.epoch)
+            batches = iter(loader)
+            while self.sampler.num_batches > 0 and self.step < self.total_steps:
+                self._step(batches, eval_set)
+            if self.sampler.num_batches == 0:
+                self.epoch += 1
+
+    def _step(self, batches: Iterator, eval_set: Dataset | None) -> None:
+        """One optimizer step, then the periodic work that falls due after it."""
+        micro = min(self.config.grad_accum_steps, self.sampler.num_batches)
+        loss, stepped = self._train_step(batches, micro)
+        if self.scheduler is not None and stepped:
+            self.scheduler.step()
+        self.step += 1
+        self._maybe_check_replicas()
+        self._log_step(loss, micro)
+        epoch_done = self.sampler.num_batches == 0
+        self._maybe_evaluate(eval_set, epoch_done)
+        self._maybe_save(epoch_done)
+
+    def _train_step(self, batches: Iterator, micro: int) -> tuple[torch.Tensor, bool]:
+        """Forward and backward `micro` micro-batches (averaging on the last); return the summed
+        loss and whether the optimizer stepped."""
+        self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.info.device)
         for m in range(micro):
-            batch = move_to(next(batches), self.info.device)
-            sync = contextlib.nullcontext() if m == micro - 1 else model.no_sync()
-            with sync:
-                # Forward under autocast, backward outside it, as torch.amp recommends.
-                with self._autocast():
-                    loss = self.training_step(model, batch)
-                if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-                    shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
-                    raise ValueError(
-                        f"training_step must return a scalar loss tensor, got {shape}; reduce it "
-                        "with .mean() (or .sum() / batch size)"
-                    )
-                scaled = loss / micro
-                (scaler.scale(scaled) if scaler else scaled).backward()
-            sampler.mark_consumed(1)
-            total += scaled.detach().float()
+            batch = self._next_batch(batches)
+            total += self._micro_step(batch, micro, sync=m == micro - 1)
+        return total, self._optimizer_step(total)
+
+    def _next_batch(self, batches: Iterator) -> Any:
+        return move_to(next(batches), self.info.device)
+
+    def _micro_step(self, batch: Any, micro: int, *, sync: bool) -> torch.Tensor:
+        """Forward and backward one micro-batch; gradients are averaged only when `sync`."""
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            # Forward under autocast, backward outside it, as torch.amp recommends.
+            with self._autocast():
+                loss = self.training_step(self.model, batch)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
+                raise ValueError(
+                    f"training_step must return a scalar loss tensor, got {shape}; reduce it "
+                    "with .mean() (or .sum() / batch size)"
+                )
+            scaled = loss / micro
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+        self.sampler.mark_consumed(1)
+        return scaled.detach().float()
+
+    def _optimizer_step(self, local_loss: torch.Tensor) -> bool:
+        """Clip (or measure) the gradient norm and step; return False if the step was skipped."""
+        scaler, optimizer = self.scaler, self.optimizer
         if scaler is not None:
             scaler.unscale_(optimizer)
         params = [p for p in self.model.module.parameters() if p.grad is not None]
-        if cfg.grad_clip_norm is not None:
-            norm = nn.utils.clip_grad_norm_(params, cfg.grad_clip_norm)
+        if self.config.grad_clip_norm is not None:
+            norm = nn.utils.clip_grad_norm_(params, self.config.grad_clip_norm)
         else:
             norm = nn.utils.get_total_norm([p.grad for p in params])
         if scaler is not None:
             # GradScaler skips steps with inf/NaN itself: they are expected while it calibrates.
             scaler.step(optimizer)
             scaler.update()
-            return total, True
+            return True
         # Gradients are already averaged, so every rank reaches the same verdict here.
         if not torch.isfinite(norm):
-            return total, self._on_nonfinite(total, optimizer)
-        optimizer.step()
-        return total, True
-
-    def _on_nonfinite(self, local_loss: torch.Tensor, optimizer) -> bool:
-        """Stop on every rank (the default) or skip this step; return False (not stepped)."""
-        flags = [None] * self.info.world_size
-        dist.all_gather_object(flags, bool(torch.isfinite(local_loss)))
-        bad = [rank for rank, finite in enumerate(flags) if not finite]
-        where = f"non-finite local loss on rank(s) {bad}" if bad else "losses finite everywhere"
-        step = self.step + 1
-        if self.config.nonfinite == "skip":
+            cfg = self.config
+            health.on_nonfinite_gradients(
+                local_loss,
+                step=self.step + 1,
+                policy=cfg.nonfinite,
+                checkpoint_dir=cfg.checkpoint_dir,
+            )
             optimizer.zero_grad(set_to_none=True)
-            print0(f"warning: step {step} skipped: non-finite gradients ({where})")
             return False
-        last = (
-            ckpt.latest_checkpoint(self.config.checkpoint_dir)
-            if self.config.checkpoint_dir
-            else None
-        )
-        raise NonFiniteError(
-            f"step {step}: non-finite gradients ({where}); stopped on every rank before the "
-            f"optimizer step, so no weights were changed. Last good checkpoint: "
-            f"{last or 'none'}. Lower the learning rate, clip gradients (grad_clip_norm), or set "
-            "nonfinite='skip' to skip such steps"
-        )
+        optimizer.step()
+        return True
 
     def _autocast(self):
         precision = self.config.precision
@@ -304,11 +279,70 @@ class Trainer:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         return torch.autocast(self.info.device.type, dtype=dtype)
 
+    # ----------------------------------------------------------------------- periodic work
+    def _maybe_check_replicas(self) -> None:
+        every = self.config.check_replicas_every
+        if every and self.step % every == 0:
+            health.check_replicas(self.model.module)
+
+    def _log_step(self, loss: torch.Tensor, micro: int) -> None:
+        """Add this step to the log window; every log_every_steps, report the window's mean loss."""
+        cfg, progress = self.config, self._progress
+        progress.window.add(loss, micro * cfg.micro_global_batch_size)
+        if self.step % cfg.log_every_steps != 0 and self.step != self.total_steps:
+            return
+        steps_in_window = (self.step - 1) % cfg.log_every_steps + 1
+        progress.last_loss, samples_per_s = progress.window.report(steps_in_window)
+        record = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "loss": progress.last_loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "samples_per_s": samples_per_s,
+            "time_s": time.perf_counter() - progress.start,
+        }
+        self._bar.update(self.step, record)
+        if self._log:
+            self._log.write(record)
+
+    def _maybe_evaluate(self, eval_set: Dataset | None, epoch_done: bool) -> None:
+        if _due(self.step, self.config.eval_every_steps, epoch_done):
+            self._progress.metrics = self._evaluate_and_log(eval_set)
+            self._progress.evaluated_at = self.step
+
+    def _maybe_save(self, epoch_done: bool) -> None:
+        if self.config.checkpoint_dir and _due(
+            self.step, self.config.checkpoint_every_steps, epoch_done
+        ):
+            self._save()
+
+    def _finish(self, eval_set: Dataset | None) -> None:
+        """Evaluate and save the last step unless the loop just did. A resumed run re-evaluates
+        even with no step left, so its summary has metrics, but never re-saves its own step."""
+        if self._progress.evaluated_at != self.step:
+            self._progress.metrics = self._evaluate_and_log(eval_set)
+        if self.config.checkpoint_dir and self._progress.saved_at != self.step:
+            self._save()
+
+    def _summary(self) -> dict[str, Any]:
+        progress = self._progress
+        wall_s = time.perf_counter() - progress.start
+        trained = (self.step - progress.first_step) * self.config.global_batch_size
+        return {
+            "samples_per_s": trained / max(wall_s, 1e-9),
+            "step": self.step,
+            "epoch": self.epoch,
+            "train_loss": progress.last_loss,
+            "eval": progress.metrics,
+            "wall_s": wall_s,
+            "world_size": self.info.world_size,
+        }
+
     # ----------------------------------------------------------------------- evaluation
-    def _evaluate(self, eval_set: Dataset | None) -> dict[str, float]:
+    def _evaluate_and_log(self, eval_set: Dataset | None) -> dict[str, float]:
         if eval_set is None:
             return {}
-        return evaluate(
+        metrics = evaluate(
             self.model.module,
             eval_set,
             self.validation_step,
@@ -316,153 +350,68 @@ class Trainer:
             device=self.info.device,
             autocast=self._autocast,
         )
-
-    def _evaluate_and_log(self, eval_set, log) -> dict[str, float]:
-        metrics = self._evaluate(eval_set)
         if metrics:
             shown = ", ".join(
                 f"{k}={v}" if isinstance(v, int) else f"{k}={v:.4f}" for k, v in metrics.items()
             )
             print0(f"step {self.step} epoch {self.epoch}: {shown}")
-            if log:
-                log.write({"step": self.step, "epoch": self.epoch, **metrics})
+            if self._log:
+                self._log.write({"step": self.step, "epoch": self.epoch, **metrics})
         return metrics
 
-    # ----------------------------------------------------------------------- checkpoints
-    def _check_checkpoint_dir(self, module: nn.Module) -> None:
-        cfg = self.config
-        error = None
-        if self.info.is_main:
-            model_bytes = sum(t.numel() * t.element_size() for t in module.state_dict().values())
-            try:
-                # Model + optimizer state (up to 2x for momentum/Adam) for keep_last + 1 files.
-                ckpt.check_writable(
-                    cfg.checkpoint_dir, required_bytes=3 * model_bytes * (cfg.keep_last + 1)
-                )
-            except ckpt.CheckpointError as e:
-                error = str(e)
-        error = broadcast_object(error)
-        if error:
-            raise ckpt.CheckpointError(error)
+    # ----------------------------------------------------------------------- output
+    def _save(self) -> None:
+        resume.save_training_state(
+            self.config,
+            self.info,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.scaler,
+            self.sampler,
+            step=self.step,
+            epoch=self.epoch,
+            metrics=self._progress.metrics,
+        )
+        self._progress.saved_at = self.step
 
-    def _load_resume_state(self, module: nn.Module) -> dict[str, Any] | None:
-        """Rank 0 reads the checkpoint; model weights reach the others through the wrapper's
-        broadcast and the rest through broadcast_object (no shared filesystem needed)."""
-        cfg = self.config
-        if not cfg.resume:
-            return None
-        state, error = None, None
-        if self.info.is_main:
-            try:
-                path = (
-                    ckpt.latest_checkpoint(cfg.checkpoint_dir)
-                    if cfg.resume == "auto"
-                    else cfg.resume
-                )
-                if path is not None:
-                    state = ckpt.load_checkpoint(path)
-                    try:
-                        ckpt.load_model_state(module, state.pop("model"))
-                    except ckpt.CheckpointError as e:
-                        raise ckpt.CheckpointError(f"{path}: {e}") from None
-                    cfg.check_resumable(state.get("config", {}))
-                    self._refuse_later_checkpoints(int(state["step"]))
-                    print0(f"resuming from {path} (step {state['step']})")
-                elif cfg.resume == "auto":
-                    print0(f"resume='auto': no checkpoint in {cfg.checkpoint_dir}; starting fresh")
-            except Exception as e:  # noqa: BLE001 - any failure must reach every rank
-                error = str(e)
-        state, error = broadcast_object((state, error))
-        if error:
-            raise ckpt.CheckpointError(error)
-        return state
+    def _announce(self, resumed: bool) -> None:
+        resumed_at = self.step if resumed else None
+        info, sampler, model = self.info, self.sampler, self.model
+        print0(describe_run(self.config, info, sampler, model, self.total_steps, resumed_at))
 
-    def _refuse_later_checkpoints(self, step: int) -> None:
-        """Resuming behind newer checkpoints would later collide with their step numbers."""
-        if not self.config.checkpoint_dir:
-            return
-        later = [
-            p.name
-            for p in ckpt.list_checkpoints(self.config.checkpoint_dir)
-            if (ckpt.parse_step(p.name) or 0) > step
-        ]
-        if later:
-            raise ckpt.CheckpointError(
-                f"resuming from step {step}, but {self.config.checkpoint_dir} already holds later "
-                f"checkpoints ({', '.join(later[:3])}{', ...' if len(later) > 3 else ''}); move "
-                "them away, resume from the latest with resume='auto', or use another "
-                "checkpoint_dir"
-            )
+    def _open_logs(self, resumed: bool) -> None:
+        cfg, info = self.config, self.info
+        # A resumed run never re-saves the step it resumed from (that file exists).
+        saved_at = self.step if resumed else -1
+        self._progress = _Progress(LossWindow(info.device), self.step, saved_at)
+        self._log = MetricsLog(cfg.log_dir) if info.is_main and cfg.log_dir else None
+        enabled = info.is_main and _want_bar(cfg)
+        self._bar = ProgressBar(self.total_steps, self.step, enabled=enabled)
 
-    def _apply_resume_state(self, state, optimizer, scheduler, scaler, sampler) -> None:
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None and state.get("scheduler") is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state.get("scaler") is not None:
-            scaler.load_state_dict(state["scaler"])
-        sampler.load_state_dict(state["sampler"])
-        self.step, self.epoch = int(state["step"]), int(state["epoch"])
-        rng = state.get("rng") or []
-        if len(rng) == self.info.world_size:
-            ckpt.restore_rng_state(rng[self.info.rank])
-        else:
-            # At another world size there is no matching stream to continue; derive one.
-            torch.manual_seed(self.config.seed + 1 + self.info.rank + 7919 * self.step)
+    def _close_logs(self) -> None:
+        self._bar.close()
+        if self._log:
+            self._log.close()
 
-    def _save(self, model, optimizer, scheduler, scaler, sampler, metrics) -> None:
-        """Rank 0 writes; every rank learns the outcome, so a failed save stops all of them."""
-        cfg = self.config
-        rng = [None] * self.info.world_size
-        dist.all_gather_object(rng, ckpt.capture_rng_state())
-        error = None
-        if self.info.is_main:
-            state = {
-                "model": model.module.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "sampler": sampler.state_dict(),
-                "rng": rng,
-                "config": asdict(cfg),
-                "world_size": self.info.world_size,
-            }
-            best = cfg.best_metric if cfg.best_metric in metrics else None
-            try:
-                ckpt.save_checkpoint(
-                    cfg.checkpoint_dir,
-                    state,
-                    step=self.step,
-                    epoch=self.epoch,
-                    metrics=metrics,
-                    keep_last=cfg.keep_last,
-                    best_metric=best,
-                    best_mode=cfg.best_mode,
-                )
-            except Exception as e:  # noqa: BLE001 - any failure must reach every rank
-                error = f"saving the checkpoint of step {self.step} failed: {e}"
-        error = broadcast_object(error)
-        if error:
-            raise ckpt.CheckpointError(error)
-
-    # ----------------------------------------------------------------------- helpers
     def _total_steps(self, sampler: ShardedSampler) -> int:
         cfg = self.config
         per_epoch = math.ceil(sampler.batches_per_epoch / cfg.grad_accum_steps)
         by_epochs = per_epoch * cfg.epochs
         return min(by_epochs, cfg.max_steps) if cfg.max_steps is not None else by_epochs
 
-    def _announce(self, model, sampler: ShardedSampler, total_steps: int, resumed: bool) -> None:
-        cfg, info = self.config, self.info
-        buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
-        print0(
-            f"ddptrain: world_size={info.world_size} backend={info.backend} "
-            f"device={info.device} | global_batch_size={cfg.global_batch_size} = "
-            f"{info.world_size} ranks x {sampler.per_rank_batch_size} per rank x "
-            f"{cfg.grad_accum_steps} accumulation step(s) | {total_steps} optimizer steps "
-            f"({cfg.epochs} epoch(s) of {sampler.batches_per_epoch} micro-batches"
-            f"{', resumed at step ' + str(self.step) if resumed else ''}) | "
-            f"precision={cfg.precision} | buckets (MiB, launch order)=[{buckets}]"
-        )
+
+@dataclass
+class _Progress:
+    """What the loop carries between steps: the log window, the latest metrics, what is done."""
+
+    window: LossWindow
+    first_step: int
+    saved_at: int
+    evaluated_at: int = -1
+    metrics: dict[str, float] = field(default_factory=dict)
+    last_loss: float = math.nan
+    start: float = field(default_factory=time.perf_counter)
 
 
 def _split_optimizers(value: Any) -> tuple[torch.optim.Optimizer, Any]:
@@ -474,16 +423,6 @@ def _split_optimizers(value: Any) -> tuple[torch.optim.Optimizer, Any]:
         "configure_optimizers must return an optimizer or (optimizer, lr_scheduler), "
         f"got {type(value).__name__}"
     )
-
-
-def _sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t
-
-
-def _mean_over_ranks(t: torch.Tensor) -> float:
-    return _sum_over_ranks(t.detach().clone().double()).item() / dist.get_world_size()
 
 
 def _due(step: int, every_steps: int | None, epoch_done: bool) -> bool:
