@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddptrain.train.config import TrainerConfig
-
-# Run as a script, this file's folder (tests/train) is on sys.path but the shared helpers in
-# tests/ are not.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from toy_models import ToyTrainer  # noqa: E402
+from toy_models import ToyTrainer
 
 
 @record
