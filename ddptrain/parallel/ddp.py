@@ -33,7 +33,6 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddptrain.parallel.buckets import (
     DEFAULT_BUCKET_CAP_MB,
@@ -42,11 +41,9 @@ from ddptrain.parallel.buckets import (
     mb_to_bytes,
 )
 from ddptrain.parallel.comm import allreduce_hook
+from ddptrain.parallel.replicas import broadcast_coalesced, coalesce, verify_same_model
 from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 
-# Broadcasts at construction and of buffers are coalesced in pieces of this size, as the
-# official wrapper does, so a huge model does not need a second full copy in one flat tensor.
-_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 # Elements per piece when scaling and narrowing a gradient into a bf16/fp16 bucket: 256 KB of
 # fp32 stays in L2 between the multiply and the cast.
 _CAST_CHUNK = 64 * 1024
@@ -112,11 +109,11 @@ class DistributedDataParallel(nn.Module):
         self._module_dicts = [m._modules for m in modules]
         self._sizes_at_wrap = (_total_len(self._param_dicts), _total_len(self._module_dicts))
         self._buffers_list = [b for b in module.buffers()]
-        _verify_same_model(self._named_params, list(module.named_buffers()), process_group)
+        verify_same_model(self._named_params, list(module.named_buffers()), process_group)
         with torch.no_grad():
             states = [p.detach() for _, p in self._named_params] + self._buffers_list
-            _broadcast_coalesced(_coalesce(states), process_group)
-        self._buffer_chunks = _coalesce(self._buffers_list)
+            broadcast_coalesced(coalesce(states), process_group)
+        self._buffer_chunks = coalesce(self._buffers_list)
         self._params = [p for _, p in self._named_params if p.requires_grad]
         self._param_names = [n for n, p in self._named_params if p.requires_grad]
         self._cap_bytes = mb_to_bytes(bucket_cap_mb)
@@ -196,7 +193,7 @@ class DistributedDataParallel(nn.Module):
             )
         if self.broadcast_buffers and self.world_size > 1 and self._buffers_list:
             with torch.no_grad():
-                _broadcast_coalesced(self._buffer_chunks, self.process_group)
+                broadcast_coalesced(self._buffer_chunks, self.process_group)
         if torch.is_grad_enabled() and self._sync:
             self._step.armed = True
         return self.module(*args, **kwargs)
@@ -372,72 +369,3 @@ def _default_hook(module: nn.Module, group: Any) -> CommHook:
     """Shared-memory buckets when every rank is a CPU process on one host, else all_reduce."""
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())
     return SharedMemoryHook(group) if shared_memory_usable(group, on_cpu) else allreduce_hook
-
-
-def _verify_same_model(
-    named_params: list[tuple[str, torch.Tensor]],
-    named_buffers: list[tuple[str, torch.Tensor]],
-    group: Any,
-) -> None:
-    """Raise the same clear error on every rank if ranks wrap different models."""
-    world_size = dist.get_world_size(group)
-    if world_size == 1:
-        return
-    mine = [("parameter", n, tuple(t.shape), str(t.dtype)) for n, t in named_params]
-    mine += [("buffer", n, tuple(t.shape), str(t.dtype)) for n, t in named_buffers]
-    everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=group)
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone):
-        problem = _first_difference(reference, theirs)
-        if problem:
-            raise RuntimeError(
-                f"ranks wrap different models: {problem} (rank 0 vs rank {rank}). Every rank "
-                "must build the same architecture with the same parameter order before wrapping"
-            )
-
-
-def _first_difference(a: list[tuple], b: list[tuple]) -> str | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x[0] != y[0] or x[2:] != y[2:]:
-            return (
-                f"{x[0]} #{i} is '{x[1]}' {list(x[2])} {x[3]} on one rank but "
-                f"{y[0]} '{y[1]}' {list(y[2])} {y[3]} on the other"
-            )
-    if len(a) != len(b):
-        n_a = sum(1 for t in a if t[0] == "parameter")
-        n_b = sum(1 for t in b if t[0] == "parameter")
-        return (
-            f"{n_a} parameters and {len(a) - n_a} buffers on one rank but "
-            f"{n_b} parameters and {len(b) - n_b} buffers on the other"
-        )
-    return None
-
-
-def _coalesce(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Group tensors by dtype/device into chunks of at most ~_BROADCAST_CHUNK_BYTES each."""
-    chunks: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
-    filled: dict[tuple[torch.dtype, torch.device], int] = {}
-    for t in tensors:
-        key = (t.dtype, t.device)
-        nbytes = t.numel() * t.element_size()
-        if key not in chunks or filled[key] + nbytes > _BROADCAST_CHUNK_BYTES:
-            chunks.setdefault(key, []).append([])
-            filled[key] = 0
-        chunks[key][-1].append(t)
-        filled[key] += nbytes
-    return [chunk for per_key in chunks.values() for chunk in per_key if chunk]
-
-
-def _broadcast_coalesced(chunks: list[list[torch.Tensor]], group: Any, src: int = 0) -> None:
-    """Broadcast each chunk of tensors in place from `src` as one flat tensor."""
-    if dist.get_world_size(group) == 1:
-        return
-    is_src = dist.get_rank(group) == src
-    global_src = dist.get_global_rank(group, src) if group is not None else src
-    for chunk in chunks:
-        flat = _flatten_dense_tensors(chunk)
-        dist.broadcast(flat, src=global_src, group=group)
-        if not is_src:
-            for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
-                t.copy_(synced)

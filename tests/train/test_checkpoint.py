@@ -132,9 +132,10 @@ _KILLED_SAVE = """
 import os, signal, sys
 import torch
 import ddptrain.train.checkpoint as ckpt
+import ddptrain.train.checkpoint_io as ckpt_io
 
 stage, directory = sys.argv[1], sys.argv[2]
-real_write, real_replace = ckpt._HashingWriter.write, os.replace
+real_write, real_replace = ckpt_io._HashingWriter.write, os.replace
 
 def write(self, data):
     if stage == "mid_write" and self.size > 0:
@@ -146,7 +147,7 @@ def replace(src, dst):
         os.kill(os.getpid(), signal.SIGKILL)
     real_replace(src, dst)
 
-ckpt._HashingWriter.write = write
+ckpt_io._HashingWriter.write = write
 os.replace = replace
 ckpt.save_checkpoint(directory, {"model": {"w": torch.full((256, 256), 2.0)}}, step=2)
 """

@@ -1,0 +1,91 @@
+"""Making replicas: the same model on every rank, and rank 0's values broadcast into it.
+
+    verify_same_model(list(m.named_parameters()), list(m.named_buffers()), group)
+    chunks = coalesce([p.detach() for p in m.parameters()] + list(m.buffers()))
+    broadcast_coalesced(chunks, group)           # every rank now holds rank 0's values
+
+The wrapper calls these at construction, and broadcast_coalesced on its buffer chunks before
+every forward when broadcast_buffers=True. Comparing shapes first turns a mismatched model into
+the same clear error on every rank, where a broadcast of different sizes would hang or corrupt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+# Broadcasts at construction and of buffers are coalesced in pieces of this size, as the
+# official wrapper does, so a huge model does not need a second full copy in one flat tensor.
+_BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
+
+
+def verify_same_model(
+    named_params: list[tuple[str, torch.Tensor]],
+    named_buffers: list[tuple[str, torch.Tensor]],
+    group: Any,
+) -> None:
+    """Raise the same clear error on every rank if ranks wrap different models."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return
+    mine = [("parameter", n, tuple(t.shape), str(t.dtype)) for n, t in named_params]
+    mine += [("buffer", n, tuple(t.shape), str(t.dtype)) for n, t in named_buffers]
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        problem = _first_difference(reference, theirs)
+        if problem:
+            raise RuntimeError(
+                f"ranks wrap different models: {problem} (rank 0 vs rank {rank}). Every rank "
+                "must build the same architecture with the same parameter order before wrapping"
+            )
+
+
+def _first_difference(a: list[tuple], b: list[tuple]) -> str | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x[0] != y[0] or x[2:] != y[2:]:
+            return (
+                f"{x[0]} #{i} is '{x[1]}' {list(x[2])} {x[3]} on one rank but "
+                f"{y[0]} '{y[1]}' {list(y[2])} {y[3]} on the other"
+            )
+    if len(a) != len(b):
+        n_a = sum(1 for t in a if t[0] == "parameter")
+        n_b = sum(1 for t in b if t[0] == "parameter")
+        return (
+            f"{n_a} parameters and {len(a) - n_a} buffers on one rank but "
+            f"{n_b} parameters and {len(b) - n_b} buffers on the other"
+        )
+    return None
+
+
+def coalesce(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Group tensors by dtype/device into chunks of at most ~_BROADCAST_CHUNK_BYTES each."""
+    chunks: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    filled: dict[tuple[torch.dtype, torch.device], int] = {}
+    for t in tensors:
+        key = (t.dtype, t.device)
+        nbytes = t.numel() * t.element_size()
+        if key not in chunks or filled[key] + nbytes > _BROADCAST_CHUNK_BYTES:
+            chunks.setdefault(key, []).append([])
+            filled[key] = 0
+        chunks[key][-1].append(t)
+        filled[key] += nbytes
+    return [chunk for per_key in chunks.values() for chunk in per_key if chunk]
+
+
+def broadcast_coalesced(chunks: list[list[torch.Tensor]], group: Any, src: int = 0) -> None:
+    """Broadcast each chunk of tensors in place from `src` as one flat tensor."""
+    if dist.get_world_size(group) == 1:
+        return
+    is_src = dist.get_rank(group) == src
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    for chunk in chunks:
+        flat = _flatten_dense_tensors(chunk)
+        dist.broadcast(flat, src=global_src, group=group)
+        if not is_src:
+            for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
+                t.copy_(synced)
