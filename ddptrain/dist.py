@@ -1,19 +1,23 @@
 """Process-group setup: the ONLY module that reads launcher environment.
 
-    info = init_distributed()          # torchrun env, ddptrain.spawn env, or a world of size 1
-    print0(f"rank {info.rank} of {info.world_size} on {info.device}")
+    info = init_distributed()          # torchrun, srun, mpirun, ddptrain.spawn, or a world of 1
+    print0(f"rank {info.rank} of {info.world_size} on {info.device} via {info.launcher}")
     loss = all_reduce_mean(loss)       # no-op at world size 1
     shutdown()
 
-One process is simply world_size 1 of the same path: without launcher variables,
-`init_distributed` still creates a process group (a private `file://` store), so every
-collective in ddptrain runs unchanged.
+It reads os.environ and hands it to the pure parsers in ddptrain.launchers (which launcher
+wins when several left variables, and why: see there; commands: docs/launch.md). One process
+is simply world_size 1 of the same path: without launcher variables, `init_distributed` still
+creates a process group (a private `file://` store), so every collective in ddptrain runs
+unchanged.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import shutil
+import subprocess
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,8 +26,10 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
+from ddptrain.launchers import INIT_METHOD_ENV as INIT_METHOD_ENV  # spawn and tests set it here
+from ddptrain.launchers import LaunchEnv, expand_nodelist, parse_env
+
 DEFAULT_TIMEOUT_S = 300.0
-INIT_METHOD_ENV = "DDPTRAIN_INIT_METHOD"
 
 
 @dataclass(frozen=True)
@@ -35,78 +41,11 @@ class DistInfo:
     world_size: int
     device: torch.device
     backend: str
+    launcher: str = "single"  # "torchrun", "spawn", "mpi", "slurm" or "single" (no launcher)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-@dataclass(frozen=True)
-class LaunchEnv:
-    """The launcher variables, parsed and checked (pure: built from a mapping)."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    init_method: str | None
-    master_addr: str | None = None
-    master_port: int | None = None
-    restart_count: int = 0
-    agent_store: bool = False
-
-
-def parse_env(env: Mapping[str, str]) -> LaunchEnv:
-    """Parse torchrun/spawn variables; no variables means a world of size 1."""
-    keys = ("RANK", "WORLD_SIZE")
-    present = [k for k in keys if k in env]
-    if not present:
-        return LaunchEnv(rank=0, local_rank=0, world_size=1, init_method=env.get(INIT_METHOD_ENV))
-    if len(present) != len(keys):
-        missing = [k for k in keys if k not in env]
-        raise RuntimeError(
-            f"launcher environment is incomplete: {present} set but {missing} missing; "
-            "launch with torchrun (which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, "
-            "MASTER_PORT) or unset them all for a single process"
-        )
-    rank = _int_var(env, "RANK")
-    world_size = _int_var(env, "WORLD_SIZE")
-    local_rank = _int_var(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
-    if world_size < 1:
-        raise RuntimeError(f"WORLD_SIZE={world_size} must be >= 1")
-    if not 0 <= rank < world_size:
-        raise RuntimeError(
-            f"RANK={rank} is outside WORLD_SIZE={world_size}; ranks run from 0 to {world_size - 1}"
-        )
-    if local_rank < 0:
-        raise RuntimeError(f"LOCAL_RANK={local_rank} must be >= 0")
-    init_method = env.get(INIT_METHOD_ENV)
-    if init_method is None and world_size > 1:
-        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
-        if missing:
-            raise RuntimeError(
-                f"WORLD_SIZE={world_size} but {missing} not set; launch with torchrun or pass "
-                "init_method='tcp://host:port' or 'file:///shared/path'"
-            )
-        init_method = "env://"
-    return LaunchEnv(
-        rank,
-        local_rank,
-        world_size,
-        init_method,
-        master_addr=env.get("MASTER_ADDR"),
-        master_port=_int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
-        restart_count=_int_var(env, "TORCHELASTIC_RESTART_COUNT")
-        if "TORCHELASTIC_RESTART_COUNT" in env
-        else 0,
-        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-    )
-
-
-def _int_var(env: Mapping[str, str], key: str) -> int:
-    try:
-        return int(env[key])
-    except ValueError:
-        raise RuntimeError(f"{key}={env[key]!r} is not an integer") from None
 
 
 def resolve_backend(requested: str | None, cuda_available: bool) -> str:
@@ -145,7 +84,7 @@ def init_distributed(
     `init_method` accepts "env://", "tcp://host:port" and "file:///path"; left as None it is
     taken from the launcher. Calling it again when a group exists returns the current info.
     """
-    launch = parse_env(os.environ if env is None else env)
+    launch = parse_env(os.environ if env is None else env, expand_hosts=_expand_hosts)
     cuda_available = torch.cuda.is_available()
     if dist.is_initialized():
         return current_info()
@@ -189,7 +128,30 @@ def init_distributed(
             f"process group has world_size {got} but WORLD_SIZE={launch.world_size}; "
             "every process must be launched with the same WORLD_SIZE"
         )
-    return DistInfo(launch.rank, launch.local_rank, launch.world_size, device, backend)
+    return DistInfo(
+        launch.rank, launch.local_rank, launch.world_size, device, backend, launch.launcher
+    )
+
+
+def _expand_hosts(nodelist: str) -> list[str]:
+    """SLURM's node list as host names; `scontrol show hostnames` for forms the parser refuses."""
+    try:
+        return expand_nodelist(nodelist)
+    except ValueError as e:
+        if shutil.which("scontrol") is None:
+            raise RuntimeError(f"{e}; export MASTER_ADDR=<rank 0's host>") from None
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(
+                f"{e}, and `scontrol show hostnames` failed too ({out.stderr.strip()}); "
+                "export MASTER_ADDR=<rank 0's host>"
+            ) from None
+        return out.stdout.split()
 
 
 def _env_store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
@@ -215,6 +177,8 @@ def _address_in_use(method: str, launch: LaunchEnv) -> str:
         host, port = launch.master_addr, launch.master_port
         where = f"MASTER_PORT {port} on {host}"
         fix = f"MASTER_PORT=PORT, or torchrun --master-port PORT / --rdzv-endpoint {host}:PORT"
+        if launch.launcher in ("slurm", "mpi"):
+            fix = "export MASTER_PORT=PORT before srun/mpirun, which pass it to every rank"
     else:
         url = urlsplit(method)
         host, port = url.hostname, url.port
@@ -232,10 +196,15 @@ def current_info() -> DistInfo:
     if not dist.is_initialized():
         raise RuntimeError("no process group: call ddptrain.init_distributed() first")
     backend = dist.get_backend()
-    local_rank = parse_env(os.environ).local_rank
+    launch = parse_env(os.environ, expand_hosts=_expand_hosts)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
     return DistInfo(
-        dist.get_rank(), local_rank, dist.get_world_size(), device or torch.device("cpu"), backend
+        dist.get_rank(),
+        launch.local_rank,
+        dist.get_world_size(),
+        device or torch.device("cpu"),
+        backend,
+        launch.launcher,
     )
 
 
@@ -249,7 +218,7 @@ def is_main() -> bool:
     """True on rank 0 (read from the launcher when no process group exists yet or any more)."""
     if dist.is_initialized():
         return dist.get_rank() == 0
-    return parse_env(os.environ).rank == 0
+    return parse_env(os.environ, expand_hosts=_expand_hosts).rank == 0
 
 
 def print0(*args: object, **kwargs: object) -> None:
