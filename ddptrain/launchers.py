@@ -301,9 +301,8 @@ def _split_top_level(nodelist: str) -> list[str]:
     if depth != 0:
         raise ValueError(f"unbalanced brackets in node list {nodelist!r}")
     items.append(nodelist[start:])
-    if any(not item.strip() for item in items):
-        raise ValueError(f"empty host name in node list {nodelist!r}")
-    return [item.strip() for item in items]
+    # Empty items ("a,,b") are skipped, as scontrol does.
+    return [item.strip() for item in items if item.strip()]
 
 
 def _expand_ranges(spec: str, nodelist: str) -> list[str]:
