@@ -4,6 +4,7 @@
         --comm-hook allreduce
     torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \
         tests/multinode_job.py --out multi.pt
+    mpirun -np 2 python tests/multinode_job.py --out mpi.pt     # or srun -n 2 (test_slurm_mpi)
 
 Every rank trains LeNet (no dropout) under ddptrain.DDP for a few SGD+momentum steps on
 synthetic batches seeded by (step, rank), so the result depends only on the world size, the
@@ -33,17 +34,18 @@ PER_RANK_BATCH_SIZE = 8
 _TCP_ESTABLISHED = "01"
 
 
-def where_am_i() -> dict[str, object]:
+def where_am_i(info: ddptrain.DistInfo) -> dict[str, object]:
     """This rank's placement: launcher variables and hostname-independent network evidence."""
-    master_addr = os.environ.get("MASTER_ADDR", "")
+    # srun and mpirun leave MASTER_ADDR unset; ddptrain derives it (loopback on one host).
+    master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     # A UDP connect sends nothing; it only asks the kernel which local address routes to
     # MASTER_ADDR, which is the veth address inside a namespace and loopback on one host.
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((master_addr, 9))
         route_addr = probe.getsockname()[0]
     return {
-        "rank": int(os.environ["RANK"]),
-        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "rank": info.rank,
+        "local_rank": info.local_rank,
         "group_rank": int(os.environ.get("GROUP_RANK", "-1")),
         "master_addr": master_addr,
         "master_port": os.environ.get("MASTER_PORT", ""),
@@ -119,12 +121,13 @@ def main() -> None:
         optimizer.step()
 
     placements: list[object] = [None] * info.world_size
-    all_gather_object(placements, where_am_i())
+    all_gather_object(placements, where_am_i(info))
     if info.is_main:
         params = {name: p.detach().clone() for name, p in model.module.named_parameters()}
         hook = model.comm_hook
         result = {
             "world_size": info.world_size,
+            "launcher": info.launcher,
             "params": params,
             "placements": placements,
             "comm_hook": getattr(hook, "__name__", type(hook).__name__),

@@ -1,0 +1,308 @@
+"""The real launchers: mpirun and a one-node SLURM cluster train bit for bit like torchrun.
+
+    pytest tests/test_slurm_mpi.py -rs     # -rs prints why a test was skipped
+
+Each job runs on 2 ranks under torchrun first (the reference), then under Open MPI's mpirun,
+srun and sbatch (recipes/mnist.sbatch); the parameters they save must be equal bit for bit
+(world size 2: a + b == b + a, so the sums are exact whichever launcher started the ranks).
+The SLURM tests start munged, slurmctld and slurmd from a generated slurm.conf in a temp
+directory (private munge socket and key, private ports, proctrack/linuxproc, no cgroups) and
+stop them by pid afterwards, also when a test fails. They need root (slurmd runs as root) and
+the Debian packages openmpi-bin, slurmctld, slurmd, slurm-client, munge, which .ci/run installs
+when it runs as root; otherwise the tests skip and say which is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from idx_files import write_split
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "mnist.py"
+SBATCH_SCRIPT = REPO / "recipes" / "mnist.sbatch"
+JOB = REPO / "tests" / "multinode_job.py"
+TIMEOUT_S = 240
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scancel")
+_LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_")
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any launcher's variables, importing this checkout's ddptrain."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)
+    }
+    env.pop("DDPTRAIN_INIT_METHOD", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    # srun, sbatch and mpirun start `python` from PATH: make it this interpreter.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return {**env, **extra}
+
+
+def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def _torchrun() -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def _recipe_args(data_dir: Path, ckpt_dir: Path) -> list[str]:
+    return [
+        "--data-dir",
+        str(data_dir),
+        "--dry-run",
+        "--no-progress",
+        "--checkpoint-dir",
+        str(ckpt_dir),
+    ]
+
+
+def _recipe_model(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt_dir / "ckpt-00000005.pt", weights_only=True)["model"]
+
+
+def _assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    different = [name for name in want if not torch.equal(got[name], want[name])]
+    assert not different, f"tensors differ from torchrun's: {different}"
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    with tempfile.TemporaryDirectory(prefix="ddpt-launch-") as path:
+        root = Path(path)
+        folder = root / "data" / "MNIST" / "raw"
+        write_split(folder, "train", 640, seed=1)
+        write_split(folder, "t10k", 101, seed=2)
+        yield root
+
+
+@pytest.fixture(scope="module")
+def reference(workdir):
+    """torchrun's results for the recipe and the DDP job (computed once, for every launcher)."""
+    env = _clean_env()
+    ckpt = workdir / "ref-ckpt"
+    _run(_torchrun() + [str(RECIPE), *_recipe_args(workdir / "data", ckpt)], env, workdir)
+    _run(_torchrun() + [str(JOB), "--out", str(workdir / "ref.pt")], env, workdir)
+    return {"recipe": _recipe_model(ckpt), "job": torch.load(workdir / "ref.pt")}
+
+
+@pytest.fixture(scope="module")
+def mpirun():
+    if shutil.which("mpirun") is None:
+        pytest.skip(
+            "openmpi-bin is not installed (no `mpirun` on PATH; .ci/run installs it as root)"
+        )
+
+
+def test_mpirun_recipe_equals_torchrun(mpirun, reference, workdir):
+    """mpirun -np 2 recipes/mnist.py --dry-run is one world of 2, bitwise equal to torchrun's."""
+    ckpt = workdir / "mpi-ckpt"
+    result = _run(
+        MPIRUN + ["python", str(RECIPE), *_recipe_args(workdir / "data", ckpt)],
+        _clean_env(),
+        workdir,
+    )
+    assert "launcher=mpi world_size=2" in result.stdout, result.stdout
+    assert result.stdout.count("FINAL ") == 1, result.stdout
+    _assert_bitwise_equal(_recipe_model(ckpt), reference["recipe"])
+
+
+def test_mpirun_ddp_job_equals_torchrun(mpirun, reference, workdir):
+    """The DDP job (tests/multinode_job.py) under mpirun ends with torchrun's parameters."""
+    out = workdir / "mpi.pt"
+    _run(MPIRUN + ["python", str(JOB), "--out", str(out)], _clean_env(), workdir)
+    result = torch.load(out)
+    assert (result["launcher"], result["world_size"]) == ("mpi", 2)
+    assert result["comm_hook"] == reference["job"]["comm_hook"]
+    _assert_bitwise_equal(result["params"], reference["job"]["params"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_conf(root: Path, host: str) -> str:
+    # FirstJobId spreads job ids (hence derived rendezvous ports) between concurrent runs.
+    return f"""\
+ClusterName=ddpt
+SlurmctldHost={host}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={root}/munge.socket
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+PlugStackConfig={root}/plugstack.conf
+SlurmdParameters=config_overrides
+ReturnToService=2
+FirstJobId={1000 + os.getpid() % 8000}
+NodeName={host} CPUs=4 State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _log_tail(root: Path) -> str:
+    tails = []
+    for name in ("munged.log", "slurmctld.log", "slurmd.log", "daemons.out"):
+        path = root / name
+        if path.is_file():
+            tails.append(f"{name}: " + " | ".join(path.read_text().splitlines()[-3:]))
+    return "; ".join(tails) or "no logs"
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """munged + slurmctld + slurmd on this host; yields the env for srun/sbatch; always stopped."""
+    if os.geteuid() != 0:
+        pytest.skip(
+            f"a SLURM cluster needs root (slurmd runs as root); running as uid {os.geteuid()}"
+        )
+    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(
+            f"{', '.join(missing)} not installed (apt-get install slurmctld slurmd slurm-client "
+            "munge; .ci/run does it as root)"
+        )
+    root = Path(tempfile.mkdtemp(prefix="ddpt-slurm-"))
+    # munged refuses a socket in a directory that others cannot traverse.
+    root.chmod(0o755)
+    for sub in ("state", "spool"):
+        (root / sub).mkdir()
+    (root / "plugstack.conf").write_text("")
+    key = root / "munge.key"
+    key.write_bytes(os.urandom(128))
+    key.chmod(0o600)
+    host = socket.gethostname().split(".")[0]
+    conf = root / "slurm.conf"
+    conf.write_text(_slurm_conf(root, host))
+    env = _clean_env(SLURM_CONF=str(conf))
+    daemons: list[subprocess.Popen] = []
+    try:
+        munged = [
+            "munged",
+            "--foreground",
+            f"--socket={root}/munge.socket",
+            f"--key-file={key}",
+            f"--pid-file={root}/munged.pid",
+            f"--seed-file={root}/munged.seed",
+            f"--log-file={root}/munged.log",
+        ]
+        for cmd in (
+            munged,
+            ["slurmctld", "-D", "-i", "-f", str(conf)],
+            ["slurmd", "-D", "-N", host, "-f", str(conf)],
+        ):
+            with open(root / "daemons.out", "a") as log:
+                daemons.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
+            time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        state = ""
+        while time.monotonic() < deadline:
+            if any(d.poll() is not None for d in daemons):
+                pytest.skip(f"a SLURM daemon exited at start: {_log_tail(root)}")
+            out = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%t"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            state = out.stdout.strip()
+            if state == "idle":
+                break
+            time.sleep(0.5)
+        else:
+            pytest.skip(
+                f"the one-node SLURM cluster did not become idle (node state {state!r}): "
+                f"{_log_tail(root)}"
+            )
+        yield env
+    finally:
+        # Jobs left by a failed test end before their daemons do (slurmctld is daemons[1]).
+        if len(daemons) > 1 and daemons[1].poll() is None:
+            subprocess.run(
+                ["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30
+            )
+        for daemon in reversed(daemons):
+            _stop(daemon)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_srun_ddp_job_equals_torchrun(slurm_cluster, reference, workdir):
+    """srun -n 2 tests/multinode_job.py on a real one-node cluster ends with torchrun's params."""
+    out = workdir / "srun.pt"
+    _run(["srun", "-n", "2", "python", str(JOB), "--out", str(out)], slurm_cluster, workdir)
+    result = torch.load(out)
+    assert (result["launcher"], result["world_size"]) == ("slurm", 2)
+    assert result["comm_hook"] == reference["job"]["comm_hook"]
+    _assert_bitwise_equal(result["params"], reference["job"]["params"])
+
+
+def test_sbatch_recipe_equals_torchrun(slurm_cluster, reference, workdir):
+    """sbatch recipes/mnist.sbatch (srun inside) trains the recipe bitwise like torchrun."""
+    ckpt = workdir / "sbatch-ckpt"
+    output = workdir / "sbatch.out"
+    _run(
+        [
+            "sbatch",
+            "--wait",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--cpus-per-task=1",
+            f"--output={output}",
+            str(SBATCH_SCRIPT),
+            *_recipe_args(workdir / "data", ckpt),
+        ],
+        slurm_cluster,
+        REPO,
+    )
+    text = output.read_text()
+    assert "launcher=slurm world_size=2" in text, text
+    assert text.count("FINAL ") == 1, text
+    _assert_bitwise_equal(_recipe_model(ckpt), reference["recipe"])
