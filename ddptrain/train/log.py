@@ -94,7 +94,8 @@ def describe_run(
     buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
     return (
         f"ddptrain: launcher={info.launcher} world_size={info.world_size} "
-        f"backend={info.backend} device={info.device} | global_batch_size={cfg.global_batch_size} = "
+        f"backend={info.backend} "
+        f"device={info.device} | global_batch_size={cfg.global_batch_size} = "
         f"{info.world_size} ranks x {sampler.per_rank_batch_size} per rank x "
         f"{cfg.grad_accum_steps} accumulation step(s) | {total_steps} optimizer steps "
         f"({cfg.epochs} epoch(s) of {sampler.batches_per_epoch} micro-batches"
