@@ -128,14 +128,18 @@ def _parse_torchrun(env: Mapping[str, str], launcher: str) -> LaunchEnv:
 
 
 def _parse_mpi(env: Mapping[str, str]) -> LaunchEnv:
+    # (rank, size, local rank, ranks on this host): Open MPI's; MPICH/Intel MPI Hydra's;
+    # Cray PALS's PMI_LOCAL_* where Hydra's local variables are absent.
     if "OMPI_COMM_WORLD_RANK" in env:
-        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
-        local_size_key = "OMPI_COMM_WORLD_LOCAL_SIZE"
+        prefix = "OMPI_COMM_WORLD_"
+        keys = (f"{prefix}RANK", f"{prefix}SIZE", f"{prefix}LOCAL_RANK", f"{prefix}LOCAL_SIZE")
+    elif "PMI_LOCAL_RANK" in env:
+        keys = ("PMI_RANK", "PMI_SIZE", "PMI_LOCAL_RANK", "PMI_LOCAL_SIZE")
     else:
-        local = "MPI_LOCALRANKID" if "PMI_LOCAL_RANK" not in env else "PMI_LOCAL_RANK"
-        names = ("PMI_RANK", "PMI_SIZE", local)
-        local_size_key = "MPI_LOCALNRANKS" if local == "MPI_LOCALRANKID" else "PMI_LOCAL_SIZE"
+        keys = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+    names = keys[:3]
     rank_key, size_key, local_key = names
+    local_size_key = keys[3]
     _require(env, rank_key, (size_key, local_key), "mpirun")
     rank, world_size, local_rank = (_int_var(env, k) for k in names)
     _check_ranks(rank, world_size, local_rank, names)

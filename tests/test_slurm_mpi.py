@@ -90,6 +90,7 @@ def _assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Te
 
 @pytest.fixture(scope="module")
 def workdir():
+    """A temp folder with a small MNIST-format data set (640 train, 101 test images)."""
     with tempfile.TemporaryDirectory(prefix="ddpt-launch-") as path:
         root = Path(path)
         folder = root / "data" / "MNIST" / "raw"
@@ -110,6 +111,7 @@ def reference(workdir):
 
 @pytest.fixture(scope="module")
 def mpirun():
+    """Skip, saying why, where Open MPI's mpirun is not installed."""
     if shutil.which("mpirun") is None:
         pytest.skip(
             "openmpi-bin is not installed (no `mpirun` on PATH; .ci/run installs it as root)"
