@@ -13,6 +13,7 @@ from ddptrain.dist import (
 )
 from ddptrain.launch import WorkerError, spawn
 from ddptrain.parallel.ddp import DDP, DistributedDataParallel
+from ddptrain.parallel.zero import ZeroRedundancyOptimizer
 from ddptrain.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.evaluation import evaluate
@@ -32,6 +33,7 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "WorkerError",
+    "ZeroRedundancyOptimizer",
     "all_reduce_mean",
     "all_reduce_sum",
     "broadcast_object",

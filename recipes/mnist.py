@@ -14,6 +14,7 @@ Common flags:
     --checkpoint-dir DIR   --resume {auto,PATH}   --dry-run (a few steps, for CI)
     --target-acc 0.99 (exit 1 if final test accuracy is below it)
     --comm-hook {default,allreduce,bf16,ring,..} (how gradients are reduced)
+    --zero-stage 1 (shard the optimizer state across ranks: ZeRO stage 1)
 
 The last line printed is a summary:
     FINAL dataset=mnist test_accuracy=0.99.. epochs=8 steps=3752 wall_s=.. samples_per_s=..
@@ -32,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import ddptrain
 from ddptrain.data.idx import fashion_mnist, mnist
 from ddptrain.models import LeNet
-from ddptrain.train.config import COMM_HOOKS, PRECISIONS, TrainerConfig
+from ddptrain.train.config import COMM_HOOKS, PRECISIONS, ZERO_STAGES, TrainerConfig
 from ddptrain.train.trainer import Trainer
 
 
@@ -93,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None, help="writes metrics.jsonl there (rank 0)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--comm-hook", choices=COMM_HOOKS, default="default")
+    p.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=0)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--dry-run", action="store_true", help="5 steps and one evaluation, for CI")
     p.add_argument("--target-acc", type=float, default=None)
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         precision=args.precision,
         comm_hook=args.comm_hook,
+        zero_stage=args.zero_stage,
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,
         log_dir=args.log_dir,

@@ -4,6 +4,7 @@
     python -m ddptrain.bench --quick                # smoke run (seconds)
     python -m ddptrain.bench --models mlp --steps 60 --extras bf16,fp16,ring
     python -m ddptrain.bench --world-size 3 --out bench-results/ws3
+    python -m ddptrain.bench --models mlp,lenet --extras adamw,zero,zero-sgd   # ZeRO stage 1
 
 All variants live in the same processes and take turns (the order rotates every round), so
 machine noise hits them alike. Each turn is a block of --block steps run back to back, as in
@@ -37,6 +38,7 @@ from ddptrain.models import LeNet
 from ddptrain.parallel.comm import make_hook, ring_all_reduce
 from ddptrain.parallel.ddp import DistributedDataParallel
 from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
+from ddptrain.parallel.zero import ZeroRedundancyOptimizer
 
 BASE_VARIANTS = ("ddptrain", "torch_ddp", "naive", "local")
 # Opt-in ddptrain variants: --extras name -> the comm hook (comm.make_hook name) it runs with.
@@ -46,6 +48,14 @@ EXTRAS = {
     "fp16": "fp16",
     "gloo-bf16": "allreduce-bf16",
     "ring": "ring",
+}
+# Opt-in optimizer variants (ddptrain's wrapper, default hook): name -> (optimizer class, sharded
+# by ZeRO stage 1). Every other variant steps plain SGD, so compare zero with adamw and zero-sgd
+# with ddptrain.
+OPTIMIZER_EXTRAS = {
+    "adamw": (torch.optim.AdamW, False),
+    "zero": (torch.optim.AdamW, True),
+    "zero-sgd": (torch.optim.SGD, True),
 }
 RING_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
 
@@ -107,7 +117,7 @@ def _make_variant(name: str, base: nn.Module, world_size: int) -> tuple[nn.Modul
     """A (model, after_backward) pair for one variant, each with its own copy of the weights."""
     module = copy.deepcopy(base)
     after: Callable[[], None] = lambda: None  # noqa: E731
-    if name == "ddptrain":
+    if name == "ddptrain" or name.removeprefix("ddptrain_") in OPTIMIZER_EXTRAS:
         model: nn.Module = DistributedDataParallel(module)
     elif name.startswith("ddptrain_"):
         hook = make_hook(EXTRAS[name.removeprefix("ddptrain_")])
@@ -124,6 +134,13 @@ def _make_variant(name: str, base: nn.Module, world_size: int) -> tuple[nn.Modul
     return model, after
 
 
+def _make_optimizer(variant: str, model: nn.Module) -> torch.optim.Optimizer:
+    cls, sharded = OPTIMIZER_EXTRAS.get(variant.removeprefix("ddptrain_"), (torch.optim.SGD, False))
+    if sharded:
+        return ZeroRedundancyOptimizer(model.parameters(), cls, lr=1e-3)
+    return cls(model.parameters(), lr=1e-3)
+
+
 def _bench_model(
     name: str, variants: list[str], steps: int, warmup: int, block: int, device: torch.device
 ) -> dict[str, Any]:
@@ -136,8 +153,7 @@ def _bench_model(
     runs = {}
     for v in variants:
         model, after = _make_variant(v, base, world_size)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        runs[v] = (model, after, opt)
+        runs[v] = (model, after, _make_optimizer(v, model))
     ours = runs.get("ddptrain", (None,))[0]
     comm_buckets = []
     if isinstance(ours, DistributedDataParallel):
@@ -268,7 +284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--extras",
         default=",".join(EXTRAS),
-        help=f"opt-in ddptrain variants: subset of {','.join(EXTRAS)}, or 'none'",
+        help=f"opt-in ddptrain variants: subset of {','.join([*EXTRAS, *OPTIMIZER_EXTRAS])}, "
+        "or 'none'",
     )
     p.add_argument("--ring-reps", type=int, default=10, help="0 skips the ring bandwidth test")
     p.add_argument("--ring-sizes", default=",".join(map(str, RING_SIZES_MB)), help="MiB")
@@ -288,9 +305,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = [m for m in args.models.split(",") if m]
     unknown = [m for m in args.models if m not in MODELS]
     args.extras = [] if args.extras == "none" else [e for e in args.extras.split(",") if e]
-    unknown += [e for e in args.extras if e not in EXTRAS]
+    unknown += [e for e in args.extras if e not in EXTRAS and e not in OPTIMIZER_EXTRAS]
     if unknown:
-        p.error(f"unknown model/extra {unknown}; models: {list(MODELS)}, extras: {list(EXTRAS)}")
+        extras = [*EXTRAS, *OPTIMIZER_EXTRAS]
+        p.error(f"unknown model/extra {unknown}; models: {list(MODELS)}, extras: {extras}")
     args.ring_sizes = [int(s) for s in args.ring_sizes.split(",")]
     return args
 

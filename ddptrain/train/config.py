@@ -21,6 +21,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # backend's all_reduce); the rest are ddptrain.parallel.comm's hook names.
 COMM_HOOKS = ("default", *HOOK_NAMES)
 NONFINITE_POLICIES = ("stop", "skip")
+# 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks.
+ZERO_STAGES = (0, 1)
 
 
 @dataclass(kw_only=True)
@@ -55,6 +57,7 @@ class TrainerConfig:
     nonfinite: str = "stop"
     heartbeat_timeout_s: float | None = 30.0
     check_replicas_every: int | None = None
+    zero_stage: int = 0
 
     def __post_init__(self) -> None:
         positive = {
@@ -98,6 +101,11 @@ class TrainerConfig:
         ):
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
+            raise ValueError(
+                f"zero_stage={self.zero_stage!r} is not one of {list(ZERO_STAGES)}: 1 shards the "
+                "optimizer state across ranks (ZeRO stage 1); stages 2 and 3 are not implemented"
+            )
         if self.resume is not None and self.resume != "auto" and not isinstance(self.resume, str):
             raise ValueError(
                 f"resume must be None, 'auto' or a checkpoint path, got {self.resume!r}"

@@ -84,7 +84,9 @@ def apply_resume_state(
     sampler: ShardedSampler,
 ) -> tuple[int, int]:
     """Load the optimizer, schedule, scaler, sampler and RNG states; return (step, epoch)."""
-    optimizer.load_state_dict(state["optimizer"])
+    # Popped: the whole optimizer state would otherwise stay alive on every rank all run long,
+    # undoing what a sharded (ZeRO) optimizer saves.
+    optimizer.load_state_dict(state.pop("optimizer"))
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler") is not None:
@@ -116,11 +118,13 @@ def save_training_state(
     """Rank 0 writes the checkpoint of `step`; a failed save raises on every rank."""
     rng = [None] * info.world_size
     dist.all_gather_object(rng, ckpt.capture_rng_state())
+    # Collective for a sharded optimizer (ZeRO gathers every rank's shard), so every rank calls it.
+    optimizer_state = optimizer.state_dict()
     error = None
     if info.is_main:
         state = {
             "model": model.module.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
             "sampler": sampler.state_dict(),

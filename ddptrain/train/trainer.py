@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddptrain.data import ShardedSampler
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
 from ddptrain.parallel.ddp import DistributedDataParallel
+from ddptrain.parallel.zero import ZeroRedundancyOptimizer
 from ddptrain.train import health, resume
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.evaluation import evaluate, move_to
@@ -176,7 +177,12 @@ class Trainer:
         )
 
     def _build_optimizer(self, module: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
-        return _split_optimizers(self.configure_optimizers(module))
+        optimizer, scheduler = _split_optimizers(self.configure_optimizers(module))
+        if self.config.zero_stage == 1:
+            # The user's optimizer only describes the run (class, groups, hyperparameters);
+            # ZeRO shares its param_groups, so a scheduler built on it still sets the lr.
+            optimizer = ZeroRedundancyOptimizer.from_optimizer(optimizer)
+        return optimizer, scheduler
 
     def _build_loader(self, train_set: Dataset) -> DataLoader:
         return DataLoader(
