@@ -26,6 +26,10 @@ DEFAULT_TIMEOUT_S = 300.0
 INIT_METHOD_ENV = "DDPTRAIN_INIT_METHOD"
 
 
+class LaunchError(RuntimeError):
+    """The launch cannot work as set up (variables, backend, device, port); names the fix."""
+
+
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process sits in the job."""
@@ -63,7 +67,7 @@ def parse_env(env: Mapping[str, str]) -> LaunchEnv:
         return LaunchEnv(rank=0, local_rank=0, world_size=1, init_method=env.get(INIT_METHOD_ENV))
     if len(present) != len(keys):
         missing = [k for k in keys if k not in env]
-        raise RuntimeError(
+        raise LaunchError(
             f"launcher environment is incomplete: {present} set but {missing} missing; "
             "launch with torchrun (which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, "
             "MASTER_PORT) or unset them all for a single process"
@@ -72,18 +76,18 @@ def parse_env(env: Mapping[str, str]) -> LaunchEnv:
     world_size = _int_var(env, "WORLD_SIZE")
     local_rank = _int_var(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
     if world_size < 1:
-        raise RuntimeError(f"WORLD_SIZE={world_size} must be >= 1")
+        raise LaunchError(f"WORLD_SIZE={world_size} must be >= 1")
     if not 0 <= rank < world_size:
-        raise RuntimeError(
+        raise LaunchError(
             f"RANK={rank} is outside WORLD_SIZE={world_size}; ranks run from 0 to {world_size - 1}"
         )
     if local_rank < 0:
-        raise RuntimeError(f"LOCAL_RANK={local_rank} must be >= 0")
+        raise LaunchError(f"LOCAL_RANK={local_rank} must be >= 0")
     init_method = env.get(INIT_METHOD_ENV)
     if init_method is None and world_size > 1:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
         if missing:
-            raise RuntimeError(
+            raise LaunchError(
                 f"WORLD_SIZE={world_size} but {missing} not set; launch with torchrun or pass "
                 "init_method='tcp://host:port' or 'file:///shared/path'"
             )
@@ -106,14 +110,14 @@ def _int_var(env: Mapping[str, str], key: str) -> int:
     try:
         return int(env[key])
     except ValueError:
-        raise RuntimeError(f"{key}={env[key]!r} is not an integer") from None
+        raise LaunchError(f"{key}={env[key]!r} is not an integer") from None
 
 
 def resolve_backend(requested: str | None, cuda_available: bool) -> str:
     """Pick the backend: nccl when CUDA is there, else gloo; refuse impossible requests."""
     backend = requested or ("nccl" if cuda_available else "gloo")
     if backend == "nccl" and not cuda_available:
-        raise RuntimeError(
+        raise LaunchError(
             "backend 'nccl' needs CUDA, but torch.cuda.is_available() is False on this machine; "
             "use backend='gloo' (or leave backend=None to choose automatically)"
         )
@@ -127,7 +131,7 @@ def resolve_device(backend: str, local_rank: int, cuda_count: int) -> torch.devi
     if cuda_count == 0:
         return torch.device("cpu")
     if local_rank >= cuda_count:
-        raise RuntimeError(
+        raise LaunchError(
             f"LOCAL_RANK={local_rank} but only {cuda_count} CUDA device(s) are visible; "
             f"use --nproc_per_node <= {cuda_count} or check CUDA_VISIBLE_DEVICES"
         )
@@ -181,11 +185,11 @@ def init_distributed(
         # address...") names neither MASTER_PORT nor the fix.
         if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
             raise
-        raise RuntimeError(_address_in_use(method, launch)) from None
+        raise LaunchError(_address_in_use(method, launch)) from None
     if dist.get_world_size() != launch.world_size:
         got = dist.get_world_size()
         shutdown()
-        raise RuntimeError(
+        raise LaunchError(
             f"process group has world_size {got} but WORLD_SIZE={launch.world_size}; "
             "every process must be launched with the same WORLD_SIZE"
         )
