@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import http.client
 import os
 import struct
 import tempfile
@@ -317,7 +318,8 @@ def download_files(md5: dict[str, str], mirrors: Sequence[str], dest: Path) -> N
             try:
                 _download(url, dest / name, expected)
                 break
-            except (OSError, ValueError) as e:
+            # HTTPException: a connection closed mid-file (IncompleteRead) is not an OSError.
+            except (OSError, ValueError, http.client.HTTPException) as e:
                 errors.append(f"{url}: {_one_line(e)}")
         else:
             raise DownloadError(
