@@ -35,7 +35,7 @@ USAGE_EXIT_CODE = 2
 USER_EXIT_CODE = 1
 # A rank other than 0 waits this long before printing: when rank 0 failed the same way, the
 # launcher stops this process meanwhile and the job prints one line, not one per rank.
-PEER_GRACE_S = 3.0
+PEER_GRACE_S = 5.0
 
 
 class UsageError(Exception):
