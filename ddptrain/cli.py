@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -33,9 +34,11 @@ from ddptrain.train.config import ConfigError
 DEBUG_ENV = "DDPTRAIN_DEBUG"
 USAGE_EXIT_CODE = 2
 USER_EXIT_CODE = 1
-# A rank other than 0 waits this long before printing: when rank 0 failed the same way, the
-# launcher stops this process meanwhile and the job prints one line, not one per rank.
-PEER_GRACE_S = 5.0
+# A rank other than 0 waits this long before printing an error that it may have seen alone:
+# when rank 0 failed too, the launcher stops this process meanwhile. Generous, because a loaded
+# machine can take seconds to tear rank 0 down; it delays only a message no other rank prints.
+PEER_GRACE_S = 30.0
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -44,6 +47,9 @@ class UsageError(Exception):
 
 # Settings follow from the flags and the world size alone, so every rank sees the same ones.
 USAGE_ERRORS: tuple[type[BaseException], ...] = (UsageError, ConfigError)
+# Raised alike on every rank: flags and settings are the same everywhere, and the Trainer
+# broadcasts every checkpoint verdict from rank 0. Other ranks leave these to rank 0.
+SAME_ON_EVERY_RANK: tuple[type[BaseException], ...] = (*USAGE_ERRORS, CheckpointError)
 USER_ERRORS: tuple[type[BaseException], ...] = (
     *USAGE_ERRORS,
     LaunchError,
@@ -85,6 +91,30 @@ def _bounded(kind, ok: Callable[[float], bool], bound: str) -> Callable[[str], f
     return parse
 
 
+def run_alike(fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank; if a user error stops it on any, raise that one on every rank.
+
+    The ranks meet in an all_gather afterwards (so it is also a barrier: e.g. local rank 0
+    downloads inside `fn` while the others wait), and rank 0 alone prints the shared error.
+    """
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except USER_ERRORS as e:
+        error = e
+    if dist.is_initialized():
+        errors: list[tuple[type[BaseException], str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, (type(error), str(error)) if error else None)
+        first = next((e for e in errors if e is not None), None)
+        if error is None and first is not None:
+            error = first[0](first[1])
+    if error is not None:
+        error.same_on_every_rank = True  # type: ignore[attr-defined]
+        raise error
+    return result
+
+
 def format_error(e: BaseException) -> str:
     """`error: <message>` on one line, whatever whitespace the message holds."""
     return "error: " + (" ".join(str(e).split()) or type(e).__name__)
@@ -110,13 +140,17 @@ def run_main(main: Callable[[list[str]], int], argv: Sequence[str] | None = None
             rank = _rank()
             if rank == 0:
                 print(format_error(e), file=sys.stderr, flush=True)
-            elif not isinstance(e, USAGE_ERRORS):
+            elif not _same_on_every_rank(e):
                 # Only this rank may have seen it (a file on its host, its LOCAL_RANK).
                 time.sleep(PEER_GRACE_S)
                 print(f"{format_error(e)} (rank {rank})", file=sys.stderr, flush=True)
             return exit_code(e)
 
     return guarded()
+
+
+def _same_on_every_rank(e: BaseException) -> bool:
+    return isinstance(e, SAME_ON_EVERY_RANK) or getattr(e, "same_on_every_rank", False)
 
 
 def _rank() -> int:

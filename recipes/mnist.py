@@ -36,11 +36,10 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import ddptrain
-from ddptrain.cli import ArgumentParser, non_negative, positive, run_main
+from ddptrain.cli import ArgumentParser, non_negative, positive, run_alike, run_main
 from ddptrain.data.idx import (
     DEBIAN_FASHION_MNIST,
     DownloadError,
@@ -64,25 +63,21 @@ class MNISTTrainer(Trainer):
         return LeNet(dropout=self.args.dropout, width=self.args.width)
 
     def build_datasets(self):
-        root = self.args.data_dir
-        if self.args.dataset == "fashion-mnist":
-            return fashion_mnist(root, train=True), fashion_mnist(root, train=False)
-        self._download_once_per_host()
-        return mnist(root, train=True), mnist(root, train=False)
+        # Alike on every rank, so a bad or missing file is one error line, not one per rank.
+        run_alike(self._download_on_local_rank_0)
+        return run_alike(self._load)
 
-    def _download_once_per_host(self) -> None:
-        error = None
-        if self.info.local_rank == 0:
-            try:
-                download_mnist(self.args.data_dir, [self.args.mirror] if self.args.mirror else None)
-            except DownloadError as e:
-                error = str(e)
-        # Every rank waits here for its host's download, and all fail alike if one failed.
-        errors: list[str | None] = [None] * self.info.world_size
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
-        if error:
-            raise DownloadError(f"{error}; {_offline_hint(self.info.world_size)}")
+    def _download_on_local_rank_0(self) -> None:
+        if self.args.dataset != "mnist" or self.info.local_rank != 0:
+            return
+        try:
+            download_mnist(self.args.data_dir, [self.args.mirror] if self.args.mirror else None)
+        except DownloadError as e:
+            raise DownloadError(f"{e}; {_offline_hint(self.info.world_size)}") from None
+
+    def _load(self):
+        load = mnist if self.args.dataset == "mnist" else fashion_mnist
+        return load(self.args.data_dir, train=True), load(self.args.data_dir, train=False)
 
     def configure_optimizers(self, model: torch.nn.Module):
         opt = torch.optim.SGD(

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddptrain
 from ddptrain import cli
 from ddptrain.data.idx import IDXFormatError
 from ddptrain.train.checkpoint import CheckpointError
@@ -104,6 +105,40 @@ def test_other_ranks_stay_silent_on_settings_and_report_their_own_data_errors(
     assert capsys.readouterr().err == ""
     assert cli.run_main(_raising(IDXFormatError("label 12")), []) == 1
     assert capsys.readouterr().err == "error: label 12 (rank 1)\n"
+
+
+def _fail_on_rank_1() -> int:
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+        raise IDXFormatError("rank 1's labels file: label 12 at index 7")
+    return 7
+
+
+def _run_alike_in_world() -> tuple[str, str, bool]:
+    ddptrain.init_distributed(timeout_s=30)
+    try:
+        cli.run_alike(_fail_on_rank_1)
+    except IDXFormatError as e:
+        return type(e).__name__, str(e), e.same_on_every_rank
+    return "", "", False
+
+
+def test_run_alike_raises_one_ranks_error_on_every_rank():
+    """A data error on rank 1 alone is raised on both ranks, marked to be printed by rank 0."""
+    expected = ("IDXFormatError", "rank 1's labels file: label 12 at index 7", True)
+    assert ddptrain.spawn(_run_alike_in_world, 2, timeout_s=120) == [expected, expected]
+
+
+def test_an_error_marked_alike_is_left_to_rank_0(rank0, monkeypatch, capsys):
+    """Rank 1 prints nothing for an error run_alike raised on every rank; one process runs fn."""
+    assert cli.run_alike(lambda: 7) == 7
+    with pytest.raises(IDXFormatError) as info:
+        cli.run_alike(lambda: _raising(IDXFormatError("label 12"))([]))
+    assert info.value.same_on_every_rank
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert cli.run_main(_raising(info.value), []) == 1
+    assert capsys.readouterr().err == ""
 
 
 def test_parser_errors_and_bounded_types_raise_usage_errors():
