@@ -362,6 +362,10 @@ def _download(url: str, path: Path, expected_md5: str) -> None:
         got = _md5(Path(tmp))
         if got != expected_md5:
             raise ValueError(f"MD5 {got} does not match the expected {expected_md5}")
+        # mkstemp's file is private (0600); a downloaded dataset gets the umask's usual mode.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         # Renamed only once verified, so a half-written file never looks like a dataset.
         os.replace(tmp, path)
     finally:

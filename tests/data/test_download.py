@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -34,6 +35,9 @@ def test_download_mnist_fetches_only_the_missing_split_over_http(tmp_path):
     with serve_folder(REAL_RAW) as url:
         dest = download_mnist(tmp_path / "data", [url])
     assert dest == tmp_path / "data/MNIST/raw" and _files(dest) == T10K
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {(dest / n).stat().st_mode & 0o777 for n in T10K} == {0o666 & ~umask}
     test_set = mnist(tmp_path / "data", train=False)
     assert test_set.targets.bincount().tolist() == MNIST_TEST_LABEL_COUNTS
 
