@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.launchers import INIT_METHOD_ENV as INIT_METHOD_ENV  # spawn and tests set it here
-from ddptrain.launchers import LaunchEnv, expand_nodelist, parse_env
+from ddptrain.launchers import LaunchEnv, LaunchError, expand_nodelist, parse_env
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -52,7 +52,7 @@ def resolve_backend(requested: str | None, cuda_available: bool) -> str:
     """Pick the backend: nccl when CUDA is there, else gloo; refuse impossible requests."""
     backend = requested or ("nccl" if cuda_available else "gloo")
     if backend == "nccl" and not cuda_available:
-        raise RuntimeError(
+        raise LaunchError(
             "backend 'nccl' needs CUDA, but torch.cuda.is_available() is False on this machine; "
             "use backend='gloo' (or leave backend=None to choose automatically)"
         )
@@ -66,7 +66,7 @@ def resolve_device(backend: str, local_rank: int, cuda_count: int) -> torch.devi
     if cuda_count == 0:
         return torch.device("cpu")
     if local_rank >= cuda_count:
-        raise RuntimeError(
+        raise LaunchError(
             f"LOCAL_RANK={local_rank} but only {cuda_count} CUDA device(s) are visible; "
             f"use --nproc_per_node <= {cuda_count} or check CUDA_VISIBLE_DEVICES"
         )
@@ -120,11 +120,11 @@ def init_distributed(
         # address...") names neither MASTER_PORT nor the fix.
         if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
             raise
-        raise RuntimeError(_address_in_use(method, launch)) from None
+        raise LaunchError(_address_in_use(method, launch)) from None
     if dist.get_world_size() != launch.world_size:
         got = dist.get_world_size()
         shutdown()
-        raise RuntimeError(
+        raise LaunchError(
             f"process group has world_size {got} but WORLD_SIZE={launch.world_size}; "
             "every process must be launched with the same WORLD_SIZE"
         )
@@ -139,7 +139,7 @@ def _expand_hosts(nodelist: str) -> list[str]:
         return expand_nodelist(nodelist)
     except ValueError as e:
         if shutil.which("scontrol") is None:
-            raise RuntimeError(f"{e}; export MASTER_ADDR=<rank 0's host>") from None
+            raise LaunchError(f"{e}; export MASTER_ADDR=<rank 0's host>") from None
         out = subprocess.run(
             ["scontrol", "show", "hostnames", nodelist],
             capture_output=True,
@@ -147,7 +147,7 @@ def _expand_hosts(nodelist: str) -> list[str]:
             timeout=30,
         )
         if out.returncode != 0:
-            raise RuntimeError(
+            raise LaunchError(
                 f"{e}, and `scontrol show hostnames` failed too ({out.stderr.strip()}); "
                 "export MASTER_ADDR=<rank 0's host>"
             ) from None

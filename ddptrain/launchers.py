@@ -38,6 +38,10 @@ MPI_DEFAULT_MASTER_ADDR = "127.0.0.1"
 MPI_DEFAULT_MASTER_PORT = 29500
 
 
+class LaunchError(RuntimeError):
+    """The launch cannot work as set up (variables, backend, device, port); names the fix."""
+
+
 @dataclass(frozen=True)
 class LaunchEnv:
     """The launcher variables, parsed and checked (pure: built from a mapping)."""
@@ -95,7 +99,7 @@ def _parse_torchrun(env: Mapping[str, str], launcher: str) -> LaunchEnv:
     present = [k for k in keys if k in env]
     if len(present) != len(keys):
         missing = [k for k in keys if k not in env]
-        raise RuntimeError(
+        raise LaunchError(
             f"launcher environment is incomplete: {present} set but {missing} missing; "
             "launch with torchrun (which sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, "
             "MASTER_PORT) or unset them all for a single process"
@@ -107,7 +111,7 @@ def _parse_torchrun(env: Mapping[str, str], launcher: str) -> LaunchEnv:
     if init_method is None and world_size > 1:
         missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
         if missing:
-            raise RuntimeError(
+            raise LaunchError(
                 f"WORLD_SIZE={world_size} but {missing} not set; launch with torchrun or pass "
                 "init_method='tcp://host:port' or 'file:///shared/path'"
             )
@@ -152,7 +156,7 @@ def _parse_mpi(env: Mapping[str, str]) -> LaunchEnv:
                 if local_size_key in env
                 else f"{local_size_key} is not set"
             )
-            raise RuntimeError(
+            raise LaunchError(
                 f"MASTER_ADDR is not set and mpirun's ranks may span several hosts ({spread}); "
                 "export MASTER_ADDR=<rank 0's host> MASTER_PORT=<free port> and pass them to "
                 "every rank (Open MPI: mpirun -x MASTER_ADDR -x MASTER_PORT; MPICH: -genvall)"
@@ -175,13 +179,13 @@ def _parse_slurm(env: Mapping[str, str], expand_hosts: Callable[[str], list[str]
     if master_addr is None:
         key = next((k for k in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST") if k in env), None)
         if key is None:
-            raise RuntimeError(
+            raise LaunchError(
                 "SLURM_PROCID is set but neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST "
                 "is, so rank 0's host is unknown; export MASTER_ADDR=<rank 0's host>"
             )
         hosts = expand_hosts(env[key])
         if not hosts:
-            raise RuntimeError(f"{key}={env[key]!r} names no host; export MASTER_ADDR")
+            raise LaunchError(f"{key}={env[key]!r} names no host; export MASTER_ADDR")
         # srun places task 0 on the first node of the step (block and cyclic distributions).
         master_addr = hosts[0]
     if "MASTER_PORT" in env:
@@ -189,7 +193,7 @@ def _parse_slurm(env: Mapping[str, str], expand_hosts: Callable[[str], list[str]
     elif "SLURM_JOB_ID" in env:
         master_port = derived_port(env["SLURM_JOB_ID"])
     else:
-        raise RuntimeError("SLURM_PROCID is set but SLURM_JOB_ID is missing; export MASTER_PORT")
+        raise LaunchError("SLURM_PROCID is set but SLURM_JOB_ID is missing; export MASTER_PORT")
     return _rendezvous(rank, local_rank, world_size, master_addr, master_port, "slurm", env)
 
 
@@ -199,7 +203,7 @@ def _refuse_batch_script(env: Mapping[str, str]) -> None:
         return
     ntasks = _int_var(env, "SLURM_NTASKS")
     if ntasks > 1:
-        raise RuntimeError(
+        raise LaunchError(
             f"SLURM_PROCID is set without SLURM_STEP_ID: this is the batch script of a job of "
             f"SLURM_NTASKS={ntasks} tasks, not a task started by srun, and would train alone; "
             "start the ranks with `srun python ...` (or torchrun / mpirun) inside the script"
@@ -231,7 +235,7 @@ def _rendezvous(
 def _require(env: Mapping[str, str], present: str, needed: tuple[str, ...], tool: str) -> None:
     missing = [k for k in needed if k not in env]
     if missing:
-        raise RuntimeError(
+        raise LaunchError(
             f"{present} is set but {' and '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} missing; {tool} sets them all for every "
             f"rank, so this environment is incomplete: launch with {tool}, or unset {present} "
@@ -242,21 +246,21 @@ def _require(env: Mapping[str, str], present: str, needed: tuple[str, ...], tool
 def _check_ranks(rank: int, world_size: int, local_rank: int, names: tuple[str, ...]) -> None:
     rank_key, size_key, local_key = names
     if world_size < 1:
-        raise RuntimeError(f"{size_key}={world_size} must be >= 1")
+        raise LaunchError(f"{size_key}={world_size} must be >= 1")
     if not 0 <= rank < world_size:
-        raise RuntimeError(
+        raise LaunchError(
             f"{rank_key}={rank} is outside {size_key}={world_size}; "
             f"ranks run from 0 to {world_size - 1}"
         )
     if local_rank < 0:
-        raise RuntimeError(f"{local_key}={local_rank} must be >= 0")
+        raise LaunchError(f"{local_key}={local_rank} must be >= 0")
 
 
 def _int_var(env: Mapping[str, str], key: str) -> int:
     try:
         return int(env[key])
     except ValueError:
-        raise RuntimeError(f"{key}={env[key]!r} is not an integer") from None
+        raise LaunchError(f"{key}={env[key]!r} is not an integer") from None
 
 
 def derived_port(job_id: str) -> int:

@@ -1,17 +1,26 @@
 """LeNet on MNIST (or Fashion-MNIST) with ddptrain: synchronous data-parallel SGD.
 
 Usage:
-    torchrun --standalone --nproc_per_node=2 recipes/mnist.py --data-dir data
+    torchrun --standalone --nproc_per_node=2 recipes/mnist.py    # downloads MNIST into data/
     python recipes/mnist.py --data-dir data                      # one process, same code path
     # offline machine: Debian ships Fashion-MNIST, a drop-in MNIST replacement
     apt-get install -y dataset-fashion-mnist
     torchrun --standalone --nproc_per_node=2 recipes/mnist.py --dataset fashion-mnist
+
+Missing MNIST files are downloaded into --data-dir/MNIST/raw/ by local rank 0 of each host
+(MD5-checked, written under a temporary name and renamed once verified) while the other ranks
+wait. --mirror URL (or DDPTRAIN_MNIST_MIRROR=URL) replaces the standard mirrors: an https://,
+http:// or file:// folder holding the four .gz files.
+
+Mistakes (flags, settings, data files, checkpoints) print one `error: ...` line and exit 2
+(flags and settings) or 1; --debug (or DDPTRAIN_DEBUG=1) shows the traceback instead.
 
 Common flags:
     --dataset {mnist,fashion-mnist}   --data-dir DIR (MNIST/raw/, raw/ or flat IDX files)
     --epochs 8   --global-batch-size 128 (split over ranks)   --lr   --momentum   --seed
     --width 3 --dropout 0.25 (LeNet 30-60-150; --width 1 --dropout 0.5 is the tutorial's net)
     --checkpoint-dir DIR   --resume {auto,PATH}   --dry-run (a few steps, for CI)
+    --mirror URL (where to download MNIST from)   --debug (tracebacks for errors)
     --target-acc 0.99 (exit 1 if final test accuracy is below it)
     --comm-hook {default,allreduce,bf16,ring,..} (how gradients are reduced)
     --zero-stage 1 (shard the optimizer state across ranks: ZeRO stage 1)
@@ -24,14 +33,21 @@ The last line printed is a summary:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.elastic.multiprocessing.errors import record
 
 import ddptrain
-from ddptrain.data.idx import fashion_mnist, mnist
+from ddptrain.cli import ArgumentParser, non_negative, positive, run_alike, run_main
+from ddptrain.data.idx import (
+    DEBIAN_FASHION_MNIST,
+    DownloadError,
+    download_mnist,
+    fashion_mnist,
+    mnist,
+)
 from ddptrain.models import LeNet
 from ddptrain.train.config import COMM_HOOKS, PRECISIONS, ZERO_STAGES, TrainerConfig
 from ddptrain.train.trainer import Trainer
@@ -48,9 +64,21 @@ class MNISTTrainer(Trainer):
         return LeNet(dropout=self.args.dropout, width=self.args.width)
 
     def build_datasets(self):
+        # Alike on every rank, so a bad or missing file is one error line, not one per rank.
+        run_alike(self._download_on_local_rank_0)
+        return run_alike(self._load)
+
+    def _download_on_local_rank_0(self) -> None:
+        if self.args.dataset != "mnist" or self.info.local_rank != 0:
+            return
+        try:
+            download_mnist(self.args.data_dir, [self.args.mirror] if self.args.mirror else None)
+        except DownloadError as e:
+            raise DownloadError(f"{e}; {_offline_hint(self.info.world_size)}") from None
+
+    def _load(self):
         load = mnist if self.args.dataset == "mnist" else fashion_mnist
-        root = self.args.data_dir
-        return load(root, train=True), load(root, train=False)
+        return load(self.args.data_dir, train=True), load(self.args.data_dir, train=False)
 
     def configure_optimizers(self, model: torch.nn.Module):
         opt = torch.optim.SGD(
@@ -74,18 +102,35 @@ class MNISTTrainer(Trainer):
         }
 
 
+def _offline_hint(world_size: int) -> str:
+    launch = f"torchrun --standalone --nproc_per_node={world_size}" if world_size > 1 else "python"
+    command = f"{launch} {sys.argv[0]} --dataset fashion-mnist"
+    if DEBIAN_FASHION_MNIST.is_dir():
+        return f"or train offline on Fashion-MNIST, installed here: {command}"
+    install = "apt-get install -y dataset-fashion-mnist"
+    return f"or train offline on Fashion-MNIST: {install}, then {command}"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default="mnist")
     p.add_argument("--data-dir", default="data", help="folder with the IDX files")
+    p.add_argument(
+        "--mirror",
+        default=os.environ.get("DDPTRAIN_MNIST_MIRROR"),
+        help="base URL to download MNIST from (default: $DDPTRAIN_MNIST_MIRROR, else the "
+        "standard mirrors)",
+    )
     p.add_argument("--epochs", type=int, default=8)
     # Width 3 (30-60-150): the tutorial's 10-20-50 net tops out near 88% on Fashion-MNIST.
-    p.add_argument("--width", type=int, default=3, help="LeNet width multiplier (1 = tutorial)")
+    p.add_argument(
+        "--width", type=positive(int), default=3, help="LeNet width multiplier (1 = tutorial)"
+    )
     p.add_argument("--dropout", type=float, default=0.25)
     p.add_argument("--global-batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--weight-decay", type=float, default=5e-4)
+    p.add_argument("--lr", type=positive(float), default=0.05)
+    p.add_argument("--momentum", type=non_negative(float), default=0.9)
+    p.add_argument("--weight-decay", type=non_negative(float), default=5e-4)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument(
@@ -99,10 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="5 steps and one evaluation, for CI")
     p.add_argument("--target-acc", type=float, default=None)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="tracebacks for errors (DDPTRAIN_DEBUG=1)")
     return p.parse_args(argv)
 
 
-@record
 def main(argv: list[str] | None = None) -> int:
     """1 flags -> 2 config -> 3 trainer (init, data, model, wrap, optimizer, resume, loop)."""
     args = parse_args(argv)
@@ -138,4 +183,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

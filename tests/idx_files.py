@@ -1,9 +1,15 @@
-"""Write small synthetic MNIST-format (IDX) splits for tests."""
+"""Write small synthetic MNIST-format (IDX) splits for tests, and serve them as a local mirror."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gzip
+import http.server
+import socket
 import struct
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -33,3 +39,43 @@ def write_split(folder: Path, prefix: str, n: int, gz: bool = True, seed: int = 
 # The real MNIST test split CI places beside the repo (../shared), and its known label counts.
 MNIST_ROOT = Path(__file__).resolve().parents[2] / "shared/data/mnist"
 MNIST_TEST_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+class _MirrorHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves a folder; with `cut_at`, promises whole files but sends only that many bytes."""
+
+    cut_at: int | None = None
+
+    def copyfile(self, source, outputfile) -> None:
+        if self.cut_at is None:
+            super().copyfile(source, outputfile)
+        else:
+            outputfile.write(source.read(self.cut_at))
+            self.close_connection = True
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serve_folder(folder: Path, cut_at: int | None = None) -> Iterator[str]:
+    """An HTTP mirror of `folder` on 127.0.0.1 (never the network); yields its base URL."""
+    handler = type("Handler", (_MirrorHandler,), {"cut_at": cut_at})
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(handler, directory=str(folder))
+    )
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def closed_port_url() -> str:
+    """A base URL on 127.0.0.1 where nothing listens: what an offline machine sees."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/"

@@ -11,11 +11,9 @@ of 2 (one start-up for all of them); the rest run in this process.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import re
 import shutil
 import socket
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +30,22 @@ from ddptrain.dist import INIT_METHOD_ENV
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.trainer import Trainer
+from error_table import (
+    GAP,
+    MAX_MESSAGE_CHARS,
+    TIME_LIMIT_S,
+    Outcome,
+    attempt,
+    doc_rows,
+    in_order,
+    snapshot,
+)
 from idx_files import write_split
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
-TIME_LIMIT_S = 30.0
-MAX_MESSAGE_CHARS = 600
-# Separates the parts of a documented fragment; each part must appear, in this order.
-GAP = " … "
 # The spawned world's collective timeout: a row that leaves ranks out of step fails in this
 # time instead of hanging the whole file.
 WORLD_TIMEOUT_S = 20.0
+API_SECTION = "From the Python API"
 
 
 # --------------------------------------------------------------------------- a tiny trainer
@@ -113,6 +117,13 @@ def _write_swapped(case_dir: Path, reference: Path) -> None:
     image_bytes, label_bytes = images.read_bytes(), labels.read_bytes()
     images.write_bytes(label_bytes)
     labels.write_bytes(image_bytes)
+
+
+def _write_label_12(case_dir: Path, reference: Path) -> None:
+    write_split(case_dir, "train", 20, gz=False)
+    labels = bytearray((case_dir / "train-labels-idx1-ubyte").read_bytes())
+    labels[8 + 7] = 12  # after the 8-byte header: the label of image 7
+    (case_dir / "train-labels-idx1-ubyte").write_bytes(bytes(labels))
 
 
 def _write_html(case_dir: Path, reference: Path) -> None:
@@ -310,6 +321,14 @@ CASES: dict[str, Case] = {
         _write_html,
         spawned=False,
     ),
+    "data-label-out-of-range": Case(
+        IDXFormatError,
+        f"train-labels-idx1-ubyte: label 12 at index 7 is outside 0..9{GAP}delete it and "
+        "download it again",
+        _read_mnist,
+        _write_label_12,
+        spawned=False,
+    ),
     "ckpt-missing": Case(
         ckpt.CheckpointError,
         f"ckpt-00000099.pt does not exist or is not a file{GAP}pick one with "
@@ -395,36 +414,9 @@ CASES: dict[str, Case] = {
 
 
 # --------------------------------------------------------------------------- running rows
-@dataclass(frozen=True)
-class Outcome:
-    """What one rank saw: the exception raised (None if none) and how long it took."""
-
-    error: type[BaseException] | None
-    message: str
-    elapsed_s: float
-
-
-def _attempt(trigger: Callable[[Path], None], case_dir: Path) -> Outcome:
-    start = time.perf_counter()
-    try:
-        trigger(case_dir)
-    except Exception as e:  # noqa: BLE001 - the row decides whether this type is right
-        return Outcome(type(e), str(e), time.perf_counter() - start)
-    return Outcome(None, "", time.perf_counter() - start)
-
-
 def _run_spawned(case_dirs: dict[str, str]) -> dict[str, Outcome]:
     ddptrain.init_distributed(timeout_s=WORLD_TIMEOUT_S)
-    return {cid: _attempt(CASES[cid].trigger, Path(d)) for cid, d in case_dirs.items()}
-
-
-def _snapshot(folder: Path) -> dict[str, str]:
-    """sha256 of every file under `folder`, by relative path."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
+    return {cid: attempt(CASES[cid].trigger, Path(d)) for cid, d in case_dirs.items()}
 
 
 @dataclass(frozen=True)
@@ -454,24 +446,14 @@ def spawned(tmp_path_factory: pytest.TempPathFactory, reference: Path) -> dict[s
     for cid, d in dirs.items():
         d.mkdir()
         CASES[cid].setup(d, reference)
-    before = {cid: _snapshot(d) for cid, d in dirs.items()}
+    before = {cid: snapshot(d) for cid, d in dirs.items()}
     per_rank = ddptrain.spawn(
         _run_spawned, 2, {cid: str(d) for cid, d in dirs.items()}, timeout_s=180
     )
     return {
-        cid: Observed([r[cid] for r in per_rank], before[cid], _snapshot(d))
+        cid: Observed([r[cid] for r in per_rank], before[cid], snapshot(d))
         for cid, d in dirs.items()
     }
-
-
-def _in_order(message: str, fragment: str) -> bool:
-    at = 0
-    for part in fragment.split(GAP):
-        found = message.find(part, at)
-        if found < 0:
-            return False
-        at = found + len(part)
-    return True
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
@@ -482,12 +464,12 @@ def test_bad_input(case_id: str, tmp_path: Path, request: pytest.FixtureRequest)
         observed = request.getfixturevalue("spawned")[case_id]
     else:
         case.setup(tmp_path, request.getfixturevalue("reference"))
-        before = _snapshot(tmp_path)
-        observed = Observed([_attempt(case.trigger, tmp_path)], before, _snapshot(tmp_path))
+        before = snapshot(tmp_path)
+        observed = Observed([attempt(case.trigger, tmp_path)], before, snapshot(tmp_path))
     for rank, seen in enumerate(observed.outcomes):
         assert seen.error is not None, f"rank {rank} raised nothing"
         assert issubclass(seen.error, case.error), (rank, seen.error, seen.message)
-        assert _in_order(seen.message, case.fragment), (
+        assert in_order(seen.message, case.fragment), (
             f"rank {rank}: {seen.message!r} lacks {case.fragment!r}"
         )
         assert "\n" not in seen.message and len(seen.message) < MAX_MESSAGE_CHARS, seen.message
@@ -506,19 +488,9 @@ def test_port_in_use_names_the_port(use_tcp: bool) -> None:
             ddptrain.init_distributed(init_method=method, timeout_s=10)
 
 
-def _doc_rows() -> dict[str, tuple[str, str]]:
-    """docs/errors.md's table as {id: (where it is caught, message fragment)}."""
-    rows = {}
-    for line in DOC.read_text().splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 4 and re.fullmatch(r"`[a-z0-9-]+`", cells[0]):
-            rows[cells[0].strip("`")] = (cells[2], cells[3].removeprefix("`").removesuffix("`"))
-    return rows
-
-
 def test_doc_table_matches_the_tests() -> None:
     """docs/errors.md lists exactly these rows, with the fragments and types asserted here."""
-    rows = _doc_rows()
+    rows = doc_rows(API_SECTION)
     assert set(rows) == set(CASES)
     for case_id, (where, fragment) in rows.items():
         assert fragment == CASES[case_id].fragment, case_id

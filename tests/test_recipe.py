@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from idx_files import write_split
+from idx_files import MNIST_ROOT, closed_port_url, serve_folder, write_split
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "mnist.py"
+REAL_RAW = MNIST_ROOT / "MNIST/raw"
 
 
 @pytest.fixture
@@ -40,29 +41,42 @@ def _torchrun(nproc: int) -> list[str]:
     ]
 
 
-def test_dry_run_under_torchrun_prints_the_summary_and_checkpoints(tmp_path, data_dir):
-    """torchrun --nproc_per_node=2 recipes/mnist.py --dry-run trains 5 steps, evaluates, saves."""
+@pytest.mark.skipif(not REAL_RAW.is_dir(), reason=f"shared MNIST not found at {REAL_RAW}")
+def test_dry_run_under_torchrun_downloads_the_test_split_then_trains_and_checkpoints(tmp_path):
+    """torchrun --nproc_per_node=2 fetches the missing (real) test split from a 127.0.0.1 mirror,
+    trains 5 steps, evaluates on it and saves."""
+    data_dir = tmp_path / "data"
+    write_split(data_dir / "MNIST" / "raw", "train", 640, seed=1)
     ckpt_dir = tmp_path / "ckpt"
-    result = _run(
-        _torchrun(2)
-        + [
-            str(RECIPE),
-            "--data-dir",
-            str(data_dir),
-            "--dry-run",
-            "--no-progress",
-            "--checkpoint-dir",
-            str(ckpt_dir),
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
-        tmp_path,
-    )
+    with serve_folder(REAL_RAW) as mirror:
+        result = _run(
+            _torchrun(2)
+            + [
+                str(RECIPE),
+                "--data-dir",
+                str(data_dir),
+                "--mirror",
+                mirror,
+                "--dry-run",
+                "--no-progress",
+                "--checkpoint-dir",
+                str(ckpt_dir),
+                "--log-dir",
+                str(tmp_path / "logs"),
+            ],
+            tmp_path,
+        )
     assert result.returncode == 0, result.stdout + result.stderr
     final = re.search(r"^FINAL .*test_accuracy=([\d.]+).*world_size=2$", result.stdout, re.M)
     assert final, result.stdout
     assert "steps=5" in final.group(0)
     assert "world_size=2 backend=gloo" in result.stdout
+    assert sorted(p.name for p in (data_dir / "MNIST/raw").iterdir()) == [
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+        "train-images-idx3-ubyte.gz",
+        "train-labels-idx1-ubyte.gz",
+    ]
     assert (ckpt_dir / "ckpt-00000005.pt").is_file()
     assert (tmp_path / "logs" / "metrics.jsonl").read_text().count("\n") >= 2
 
@@ -87,18 +101,26 @@ def test_plain_python_run_and_target_acc_exit_code(tmp_path, data_dir):
     assert "below --target-acc 1.01" in result.stdout
 
 
-def test_missing_data_says_where_to_put_it(tmp_path):
-    """Without data files the recipe fails with the folder to fill, not a deep traceback only."""
+def test_offline_without_data_is_one_error_line_from_two_ranks(tmp_path):
+    """No data and no reachable mirror at world size 2: one `error:` line naming the folder and
+    the Fashion-MNIST alternative, no rank traceback, no file left in the data folder."""
+    data_dir = tmp_path / "none"
     result = _run(
-        [
-            sys.executable,
-            str(RECIPE),
-            "--data-dir",
-            str(tmp_path / "none"),
-            "--dry-run",
-            "--no-progress",
-        ],
+        _torchrun(2)
+        + [str(RECIPE), "--data-dir", str(data_dir), "--mirror", closed_port_url(), "--dry-run"],
         tmp_path,
     )
     assert result.returncode != 0
-    assert "MNIST train split not found" in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: could not download train-images-idx3-ubyte.gz")
+    assert f"in {data_dir / 'MNIST/raw'}/" in lines[0] and "--dataset fashion-mnist" in lines[0]
+    assert "[rank0]" not in result.stderr and "[rank1]" not in result.stderr, result.stderr
+    assert list((data_dir / "MNIST/raw").iterdir()) == []
+
+
+def test_a_bad_flag_is_one_line_and_exit_status_2(tmp_path):
+    """python recipes/mnist.py --lr -1 prints exactly one line on stderr and exits 2."""
+    result = _run([sys.executable, str(RECIPE), "--lr", "-1"], tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == "error: argument --lr: must be > 0, got -1 (see mnist.py --help)\n"

@@ -1,6 +1,14 @@
 """Data: the resumable sharded sampler, evaluation shards, the partitioner, IDX datasets."""
 
-from ddptrain.data.idx import IDXDataset, IDXFormatError, fashion_mnist, mnist, read_idx
+from ddptrain.data.idx import (
+    DownloadError,
+    IDXDataset,
+    IDXFormatError,
+    download_mnist,
+    fashion_mnist,
+    mnist,
+    read_idx,
+)
 from ddptrain.data.sampler import (
     DataPartitioner,
     EvalSampler,
@@ -13,11 +21,13 @@ from ddptrain.data.sampler import (
 
 __all__ = [
     "DataPartitioner",
+    "DownloadError",
     "EvalSampler",
     "IDXDataset",
     "IDXFormatError",
     "Partition",
     "ShardedSampler",
+    "download_mnist",
     "eval_shard",
     "fashion_mnist",
     "global_order",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import http.client
 import os
 import struct
 import tempfile
@@ -35,6 +36,10 @@ _DOWNLOAD_TIMEOUT_S = 30.0
 
 class IDXFormatError(ValueError):
     """An IDX file that is truncated, corrupt or of the wrong kind; the message names it."""
+
+
+class DownloadError(RuntimeError):
+    """A dataset file could not be fetched intact; the one-line message says where to put it."""
 
 
 @dataclass(frozen=True)
@@ -169,9 +174,14 @@ class IDXDataset(Dataset):
         cls,
         images_path: str | os.PathLike,
         labels_path: str | os.PathLike,
+        *,
+        num_classes: int | None = None,
         **kwargs,
     ) -> IDXDataset:
-        """Read an IDX images file and its labels file (validated and checked to match)."""
+        """Read an IDX images file and its labels file (validated and checked to match).
+
+        With `num_classes`, every label must lie in 0..num_classes-1.
+        """
         images = read_idx(images_path, magic=_IMAGES_MAGIC)
         labels = read_idx(labels_path, magic=_LABELS_MAGIC)
         if len(images) != len(labels):
@@ -179,6 +189,8 @@ class IDXDataset(Dataset):
                 f"{images_path} holds {len(images)} images but {labels_path} holds "
                 f"{len(labels)} labels; the two files are from different splits or versions"
             )
+        if num_classes is not None:
+            _check_labels(labels, num_classes, labels_path)
         dataset = cls(images, labels, **kwargs)
         dataset.paths = (Path(images_path), Path(labels_path))
         return dataset
@@ -191,6 +203,18 @@ class IDXDataset(Dataset):
         if self.transform is not None:
             x = self.transform(x)
         return x, self.targets[i]
+
+
+def _check_labels(labels: torch.Tensor, num_classes: int, path: str | os.PathLike) -> None:
+    # Caught here, naming the file: in the loss it is an IndexError on one rank, mid-epoch.
+    bad = (labels >= num_classes).nonzero().flatten()
+    if len(bad):
+        index = int(bad[0])
+        raise IDXFormatError(
+            f"{path}: label {int(labels[index])} at index {index} is outside 0..{num_classes - 1} "
+            f"({len(bad)} of {len(labels)} labels are); the file is corrupt or from another "
+            "dataset; delete it and download it again"
+        )
 
 
 def mnist(
@@ -259,7 +283,7 @@ def _load(spec, root, train, download, normalize, transform) -> IDXDataset:
             "or pass download=True"
         )
     stats = {"mean": spec.mean, "std": spec.std} if normalize else {}
-    return IDXDataset.from_files(*paths, transform=transform, **stats)
+    return IDXDataset.from_files(*paths, num_classes=10, transform=transform, **stats)
 
 
 def _fetch(spec: _Spec, root: Path, train: bool) -> Path:
@@ -275,7 +299,7 @@ def _fetch(spec: _Spec, root: Path, train: bool) -> Path:
     try:
         getattr(torchvision.datasets, spec.name)(str(root), train=train, download=True)
     except Exception as e:  # noqa: BLE001 - every download failure gets the same advice
-        raise RuntimeError(
+        raise DownloadError(
             f"could not download {spec.name} with torchvision ({type(e).__name__}: {e}). "
             f"Offline? Put the files from {spec.mirrors[0]} in {dest}/"
         ) from None
@@ -290,17 +314,40 @@ def download_files(md5: dict[str, str], mirrors: Sequence[str], dest: Path) -> N
             continue
         errors = []
         for mirror in mirrors:
-            url = mirror + name
+            url = mirror.rstrip("/") + "/" + name
             try:
                 _download(url, dest / name, expected)
                 break
-            except (OSError, ValueError) as e:
-                errors.append(f"{url}: {e}")
+            # HTTPException: a connection closed mid-file (IncompleteRead) is not an OSError.
+            except (OSError, ValueError, http.client.HTTPException) as e:
+                errors.append(f"{url}: {_one_line(e)}")
         else:
-            raise RuntimeError(
-                f"could not download {name}: " + "; ".join(errors) + ". "
+            raise DownloadError(
+                f"could not download {name} ({'; '.join(errors)}). "
                 f"Offline? Put {', '.join(md5)} in {dest}/ (from {mirrors[0]})"
             )
+
+
+def download_mnist(root: str | os.PathLike, mirrors: Sequence[str] | None = None) -> Path:
+    """Fetch the MNIST files `root` lacks into root/MNIST/raw/ (MD5-checked); return that folder.
+
+    `mirrors` are base URLs (https://, http:// or file://) tried in order; None means the
+    standard ones. A split already found under `root` (any layout `mnist()` reads) is left alone.
+    """
+    dest = Path(root).expanduser() / _MNIST.name / "raw"
+    missing = [
+        f"{stem}.gz"
+        for train in (True, False)
+        if _find_split_files(_MNIST, root, train) is None
+        for stem in _split_files(train)
+    ]
+    if missing:
+        download_files({n: _MNIST.md5[n] for n in missing}, mirrors or _MNIST.mirrors, dest)
+    return dest
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _download(url: str, path: Path, expected_md5: str) -> None:
@@ -315,6 +362,10 @@ def _download(url: str, path: Path, expected_md5: str) -> None:
         got = _md5(Path(tmp))
         if got != expected_md5:
             raise ValueError(f"MD5 {got} does not match the expected {expected_md5}")
+        # mkstemp's file is private (0600); a downloaded dataset gets the umask's usual mode.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         # Renamed only once verified, so a half-written file never looks like a dataset.
         os.replace(tmp, path)
     finally:

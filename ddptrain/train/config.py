@@ -25,6 +25,10 @@ NONFINITE_POLICIES = ("stop", "skip")
 ZERO_STAGES = (0, 1)
 
 
+class ConfigError(ValueError):
+    """A setting that cannot work (alone, or with this world size); the message names the fix."""
+
+
 @dataclass(kw_only=True)
 class TrainerConfig:
     """Settings of Trainer.fit(); validated on construction."""
@@ -79,20 +83,20 @@ class TrainerConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 hint = " (or None)" if name in optional_positive else ""
-                raise ValueError(f"{name} must be a positive integer{hint}, got {value!r}")
+                raise ConfigError(f"{name} must be a positive integer{hint}, got {value!r}")
         if self.num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+            raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
-            raise ValueError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
+            raise ConfigError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
         if self.bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+            raise ConfigError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         if self.heartbeat_timeout_s is not None and not self.heartbeat_timeout_s > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"heartbeat_timeout_s must be > 1 s (or None to disable), got "
                 f"{self.heartbeat_timeout_s}"
             )
         if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         for name, value, allowed in (
             ("precision", self.precision, PRECISIONS),
             ("comm_hook", self.comm_hook, COMM_HOOKS),
@@ -100,18 +104,18 @@ class TrainerConfig:
             ("best_mode", self.best_mode, ("min", "max")),
         ):
             if value not in allowed:
-                raise ValueError(f"{name}={value!r} is not one of {list(allowed)}")
+                raise ConfigError(f"{name}={value!r} is not one of {list(allowed)}")
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
-            raise ValueError(
+            raise ConfigError(
                 f"zero_stage={self.zero_stage!r} is not one of {list(ZERO_STAGES)}: 1 shards the "
                 "optimizer state across ranks (ZeRO stage 1); stages 2 and 3 are not implemented"
             )
         if self.resume is not None and self.resume != "auto" and not isinstance(self.resume, str):
-            raise ValueError(
+            raise ConfigError(
                 f"resume must be None, 'auto' or a checkpoint path, got {self.resume!r}"
             )
         if self.resume == "auto" and not self.checkpoint_dir:
-            raise ValueError("resume='auto' looks in checkpoint_dir; set checkpoint_dir too")
+            raise ConfigError("resume='auto' looks in checkpoint_dir; set checkpoint_dir too")
 
     @property
     def micro_global_batch_size(self) -> int:
@@ -128,12 +132,12 @@ class TrainerConfig:
             accum = (
                 f" x grad_accum_steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""
             )
-            raise ValueError(
+            raise ConfigError(
                 f"global_batch_size {self.global_batch_size} is not divisible by world_size "
                 f"{world_size}{accum}; use a multiple of {unit} (e.g. {options})"
             )
         if self.precision == "fp16" and not _cuda():
-            raise ValueError(
+            raise ConfigError(
                 "precision='fp16' needs CUDA (GradScaler); on CPU use precision='bf16' or 'fp32'"
             )
 
@@ -142,7 +146,7 @@ class TrainerConfig:
         names = {f.name for f in fields(self)}
         for name in RESUME_INVARIANT_FIELDS:
             if name in saved and name in names and saved[name] != getattr(self, name):
-                raise ValueError(
+                raise ConfigError(
                     f"cannot resume: the checkpoint was trained with {name}={saved[name]!r} but "
                     f"this run has {name}={getattr(self, name)!r}; set {name}={saved[name]!r} to "
                     "resume, or start a fresh run in another checkpoint_dir"

@@ -42,7 +42,7 @@ from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
 from ddptrain.parallel.ddp import DistributedDataParallel
 from ddptrain.parallel.zero import ZeroRedundancyOptimizer
 from ddptrain.train import health, resume
-from ddptrain.train.config import TrainerConfig
+from ddptrain.train.config import ConfigError, TrainerConfig
 from ddptrain.train.evaluation import evaluate, move_to
 from ddptrain.train.health import Heartbeat, NonFiniteError
 from ddptrain.train.log import LossWindow, MetricsLog, ProgressBar, describe_run
@@ -149,7 +149,7 @@ class Trainer:
                 "data path and any filtering in build_datasets()"
             )
         if self.config.global_batch_size > len(train_set):
-            raise ValueError(
+            raise ConfigError(
                 f"global_batch_size {self.config.global_batch_size} is larger than the training "
                 f"set ({len(train_set)} samples); use global_batch_size <= {len(train_set)}"
             )

@@ -1,0 +1,162 @@
+"""Command-line entry points: one `error: <message>` line for mistakes a user made.
+
+    parser = ddptrain.cli.ArgumentParser(description=__doc__)     # bad flags raise UsageError
+    parser.add_argument("--lr", type=positive(float), default=0.05)
+
+    def main(argv: list[str] | None = None) -> int: ...
+
+    if __name__ == "__main__":
+        sys.exit(ddptrain.cli.run_main(main))
+
+`run_main` turns the exceptions in USER_ERRORS (bad flags and settings, data files, downloads,
+checkpoints, launcher variables and ports) into one line on stderr and exit status 2 (flags and
+settings) or 1 (the rest), without a traceback. `--debug` or DDPTRAIN_DEBUG=1 shows it. Any
+other exception is a bug: it propagates with its traceback and torchrun's `@record` report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from ddptrain.data.idx import DownloadError, IDXFormatError
+from ddptrain.dist import LaunchError, parse_env
+from ddptrain.train.checkpoint import CheckpointError
+from ddptrain.train.config import ConfigError
+
+DEBUG_ENV = "DDPTRAIN_DEBUG"
+USAGE_EXIT_CODE = 2
+USER_EXIT_CODE = 1
+# A rank other than 0 waits this long before printing an error that it may have seen alone:
+# when rank 0 failed too, the launcher stops this process meanwhile. Generous, because a loaded
+# machine can take seconds to tear rank 0 down; it delays only a message no other rank prints.
+PEER_GRACE_S = 30.0
+T = TypeVar("T")
+
+
+class UsageError(Exception):
+    """A bad command-line flag or combination of flags."""
+
+
+# Settings follow from the flags and the world size alone, so every rank sees the same ones.
+USAGE_ERRORS: tuple[type[BaseException], ...] = (UsageError, ConfigError)
+# Raised alike on every rank: flags and settings are the same everywhere, and the Trainer
+# broadcasts every checkpoint verdict from rank 0. Other ranks leave these to rank 0.
+SAME_ON_EVERY_RANK: tuple[type[BaseException], ...] = (*USAGE_ERRORS, CheckpointError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    *USAGE_ERRORS,
+    LaunchError,
+    IDXFormatError,
+    DownloadError,
+    FileNotFoundError,
+    CheckpointError,
+)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors raise UsageError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse `type` accepting values of `kind` that are > 0."""
+    return _bounded(kind, lambda v: v > 0, "> 0")
+
+
+def non_negative(kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse `type` accepting values of `kind` that are >= 0."""
+    return _bounded(kind, lambda v: v >= 0, ">= 0")
+
+
+def _bounded(kind, ok: Callable[[float], bool], bound: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def run_alike(fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank; if a user error stops it on any, raise that one on every rank.
+
+    The ranks meet in an all_gather afterwards (so it is also a barrier: e.g. local rank 0
+    downloads inside `fn` while the others wait), and rank 0 alone prints the shared error.
+    """
+    error: BaseException | None = None
+    result = None
+    try:
+        result = fn()
+    except USER_ERRORS as e:
+        error = e
+    if dist.is_initialized():
+        errors: list[tuple[type[BaseException], str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, (type(error), str(error)) if error else None)
+        first = next((e for e in errors if e is not None), None)
+        if error is None and first is not None:
+            error = first[0](first[1])
+    if error is not None:
+        error.same_on_every_rank = True  # type: ignore[attr-defined]
+        raise error
+    return result
+
+
+def format_error(e: BaseException) -> str:
+    """`error: <message>` on one line, whatever whitespace the message holds."""
+    return "error: " + (" ".join(str(e).split()) or type(e).__name__)
+
+
+def exit_code(e: BaseException) -> int:
+    """2 for flags and settings, 1 for other mistakes (data, checkpoints, launch)."""
+    return USAGE_EXIT_CODE if isinstance(e, USAGE_ERRORS) else USER_EXIT_CODE
+
+
+def run_main(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
+    """Run `main(argv)` under torchrun's `@record`; a user error prints one line and returns."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+    @record
+    def guarded() -> int:
+        try:
+            return main(argv)
+        except USER_ERRORS as e:
+            if debug:
+                raise
+            rank = _rank()
+            if rank == 0:
+                print(format_error(e), file=sys.stderr, flush=True)
+            elif not _same_on_every_rank(e):
+                # Only this rank may have seen it (a file on its host, its LOCAL_RANK).
+                time.sleep(PEER_GRACE_S)
+                print(f"{format_error(e)} (rank {rank})", file=sys.stderr, flush=True)
+            return exit_code(e)
+
+    return guarded()
+
+
+def _same_on_every_rank(e: BaseException) -> bool:
+    return isinstance(e, SAME_ON_EVERY_RANK) or getattr(e, "same_on_every_rank", False)
+
+
+def _rank() -> int:
+    if dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return parse_env(os.environ).rank
+    except LaunchError:
+        return 0

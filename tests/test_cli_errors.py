@@ -1,0 +1,267 @@
+"""Command-line errors: one `error:` line and an exit status; bugs keep their traceback.
+
+    python -m pytest tests/test_cli_errors.py -q
+
+The recipe's rows of docs/errors.md ("From the command line") run recipes/mnist.py's main in
+this process (world size 1) through ddptrain.cli.run_main, as `python recipes/mnist.py` would,
+and check its exit status and that stderr is exactly one `error:` line holding the fragment.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddptrain
+from ddptrain import cli
+from ddptrain.data.idx import IDXFormatError
+from ddptrain.train.checkpoint import CheckpointError
+from ddptrain.train.config import TrainerConfig
+from error_table import GAP, doc_rows, in_order
+from idx_files import closed_port_url, idx_bytes, write_split
+
+# @record enables faulthandler on stderr, which pytest has swapped for an object without fileno.
+pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+
+
+def _raising(error: BaseException):
+    def main(argv: list[str]) -> int:
+        raise error
+
+    return main
+
+
+@pytest.fixture
+def rank0(monkeypatch):
+    """A world of one: no launcher variables, no debug switch, no reachable download mirror."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", cli.DEBUG_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("DDPTRAIN_MNIST_MIRROR", closed_port_url())
+
+
+def _config_error() -> ValueError:
+    with pytest.raises(ValueError) as info:
+        TrainerConfig(epochs=0)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("make_error", "code"),
+    [
+        (_config_error, 2),
+        (lambda: cli.UsageError("argument --lr: must be > 0, got -1"), 2),
+        (lambda: IDXFormatError("labels: label 12 at index 7\nis outside 0..9"), 1),
+        (lambda: CheckpointError("cannot create checkpoint directory /proc/x"), 1),
+    ],
+)
+def test_user_error_is_one_line_on_stderr_and_an_exit_code(rank0, capsys, make_error, code):
+    """Settings and flags exit 2, data and checkpoints 1; stderr is `error: ...` and no more."""
+    error = make_error()
+    assert cli.run_main(_raising(error), []) == code
+    out, err = capsys.readouterr()
+    assert out == "" and err == cli.format_error(error) + "\n"
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_config_error_names_the_fix_in_the_line(rank0, capsys):
+    """The line is the validation's own message, so it still names the value and the fix."""
+    cli.run_main(_raising(_config_error()), [])
+    assert capsys.readouterr().err == "error: epochs must be a positive integer, got 0\n"
+
+
+@pytest.mark.parametrize("switch", ["flag", "env"])
+def test_debug_shows_the_traceback(rank0, monkeypatch, switch):
+    """--debug or DDPTRAIN_DEBUG=1 lets the user error propagate with its traceback."""
+    argv = ["--debug"] if switch == "flag" else []
+    if switch == "env":
+        monkeypatch.setenv(cli.DEBUG_ENV, "1")
+    with pytest.raises(IDXFormatError, match="label 12"):
+        cli.run_main(_raising(IDXFormatError("label 12")), argv)
+
+
+@pytest.mark.parametrize("bug", [ZeroDivisionError("division by zero"), ValueError("bad shape")])
+def test_a_bug_keeps_its_traceback(rank0, capsys, bug):
+    """Exceptions outside USER_ERRORS (a plain ValueError too) propagate untouched."""
+    with pytest.raises(type(bug)):
+        cli.run_main(_raising(bug), [])
+    assert "error:" not in capsys.readouterr().err
+
+
+def test_other_ranks_stay_silent_on_settings_and_report_their_own_data_errors(
+    rank0, monkeypatch, capsys
+):
+    """Rank 1 says nothing for a settings error (rank 0 has it too), names itself otherwise."""
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(cli, "PEER_GRACE_S", 0.0)
+    assert cli.run_main(_raising(_config_error()), []) == 2
+    assert capsys.readouterr().err == ""
+    assert cli.run_main(_raising(IDXFormatError("label 12")), []) == 1
+    assert capsys.readouterr().err == "error: label 12 (rank 1)\n"
+
+
+def _fail_on_rank_1() -> int:
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() == 1:
+        raise IDXFormatError("rank 1's labels file: label 12 at index 7")
+    return 7
+
+
+def _run_alike_in_world() -> tuple[str, str, bool]:
+    ddptrain.init_distributed(timeout_s=30)
+    try:
+        cli.run_alike(_fail_on_rank_1)
+    except IDXFormatError as e:
+        return type(e).__name__, str(e), e.same_on_every_rank
+    return "", "", False
+
+
+def test_run_alike_raises_one_ranks_error_on_every_rank():
+    """A data error on rank 1 alone is raised on both ranks, marked to be printed by rank 0."""
+    expected = ("IDXFormatError", "rank 1's labels file: label 12 at index 7", True)
+    assert ddptrain.spawn(_run_alike_in_world, 2, timeout_s=120) == [expected, expected]
+
+
+def test_an_error_marked_alike_is_left_to_rank_0(rank0, monkeypatch, capsys):
+    """Rank 1 prints nothing for an error run_alike raised on every rank; one process runs fn."""
+    assert cli.run_alike(lambda: 7) == 7
+    with pytest.raises(IDXFormatError) as info:
+        cli.run_alike(lambda: _raising(IDXFormatError("label 12"))([]))
+    assert info.value.same_on_every_rank
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert cli.run_main(_raising(info.value), []) == 1
+    assert capsys.readouterr().err == ""
+
+
+def test_parser_errors_and_bounded_types_raise_usage_errors():
+    """Unknown flags and out-of-range values are UsageErrors naming the flag and --help."""
+    parser = cli.ArgumentParser(prog="mnist.py")
+    parser.add_argument("--lr", type=cli.positive(float))
+    parser.add_argument("--momentum", type=cli.non_negative(float))
+    assert parser.parse_args(["--lr", "0.1", "--momentum", "0"]).momentum == 0
+    with pytest.raises(cli.UsageError, match=r"argument --lr: must be > 0, got -1 \(see mnist"):
+        parser.parse_args(["--lr", "-1"])
+    with pytest.raises(cli.UsageError, match="argument --momentum: 'x' is not a float"):
+        parser.parse_args(["--momentum", "x"])
+    with pytest.raises(cli.UsageError, match="unrecognized arguments: --epoch"):
+        parser.parse_args(["--epoch", "3"])
+
+
+# --------------------------------------------------------------------------- the recipe's rows
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "mnist.py"
+CLI_SECTION = "From the command line"
+
+
+def _recipe_main() -> Callable[[list[str]], int]:
+    spec = importlib.util.spec_from_file_location("mnist_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+@dataclass(frozen=True)
+class CliCase:
+    """One row: the flags (given the folders fixture) and the exit status and line expected."""
+
+    flags: Callable[[dict[str, Path]], list[str]]
+    code: int
+    fragment: str
+
+
+def _data(folders: dict[str, Path], *flags: str) -> list[str]:
+    return ["--data-dir", str(folders["data"]), "--no-progress", *flags]
+
+
+CLI_CASES: dict[str, CliCase] = {
+    "cli-epochs-zero": CliCase(
+        lambda f: _data(f, "--epochs", "0"), 2, "error: epochs must be a positive integer, got 0"
+    ),
+    "cli-batch-zero": CliCase(
+        lambda f: _data(f, "--global-batch-size", "0"),
+        2,
+        "error: global_batch_size must be a positive integer, got 0",
+    ),
+    "cli-batch-too-large": CliCase(
+        lambda f: _data(f, "--global-batch-size", "1000"),
+        2,
+        "error: global_batch_size 1000 is larger than the training set (240 samples)"
+        f"{GAP}use global_batch_size <= 240",
+    ),
+    "cli-resume-without-dir": CliCase(
+        lambda f: _data(f, "--resume", "auto"),
+        2,
+        "error: resume='auto' looks in checkpoint_dir; set checkpoint_dir too",
+    ),
+    "cli-lr-negative": CliCase(
+        lambda f: _data(f, "--lr", "-1"),
+        2,
+        f"error: argument --lr: must be > 0, got -1 (see{GAP}--help)",
+    ),
+    "cli-unknown-flag": CliCase(
+        lambda f: _data(f, "--epcohs", "3"),
+        2,
+        f"error: unrecognized arguments: --epcohs 3 (see{GAP}--help)",
+    ),
+    "cli-checkpoint-dir-unwritable": CliCase(
+        lambda f: _data(f, "--checkpoint-dir", str(f["file"] / "ckpt")),
+        1,
+        f"error: cannot create checkpoint directory{GAP}choose a directory you can write to",
+    ),
+    "cli-label-out-of-range": CliCase(
+        lambda f: ["--data-dir", str(f["bad_labels"]), "--no-progress"],
+        1,
+        f"error:{GAP}train-labels-idx1-ubyte.gz: label 12 at index 7 is outside 0..9"
+        f"{GAP}delete it and download it again",
+    ),
+    "cli-offline-no-data": CliCase(
+        lambda f: ["--data-dir", str(f["empty"]), "--mirror", closed_port_url()],
+        1,
+        "error: could not download train-images-idx3-ubyte.gz (http://127.0.0.1:"
+        f"{GAP}Offline? Put train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, "
+        f"t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz in{GAP}/MNIST/raw/"
+        f"{GAP}or train offline on Fashion-MNIST{GAP}--dataset fashion-mnist",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cli")
+    write_split(root / "data", "train", 240)
+    write_split(root / "data", "t10k", 50)
+    write_split(root / "bad_labels", "train", 240)
+    write_split(root / "bad_labels", "t10k", 50)
+    labels = (torch.arange(240) % 10).to(torch.uint8)
+    labels[7] = 12
+    (root / "bad_labels/train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx_bytes(labels)))
+    (root / "file").write_text("not a folder")
+    (root / "empty").mkdir()
+    return {name: root / name for name in ["data", "bad_labels", "file", "empty"]}
+
+
+@pytest.mark.parametrize("case_id", list(CLI_CASES))
+def test_recipe_error_line(case_id: str, folders, rank0, capsys) -> None:
+    """The row's flags give its exit status and exactly one `error:` line with its fragment."""
+    case = CLI_CASES[case_id]
+    code = cli.run_main(_recipe_main(), case.flags(folders))
+    out, err = capsys.readouterr()
+    assert code == case.code, err
+    assert err.count("\n") == 1 and in_order(err, case.fragment), err
+    assert "Traceback" not in out + err
+
+
+def test_cli_doc_table_matches_the_tests() -> None:
+    """docs/errors.md's command-line table lists exactly these rows, statuses and lines."""
+    rows = doc_rows(CLI_SECTION)
+    assert set(rows) == set(CLI_CASES)
+    for case_id, (status, fragment) in rows.items():
+        assert fragment == CLI_CASES[case_id].fragment, case_id
+        assert status == str(CLI_CASES[case_id].code), case_id
