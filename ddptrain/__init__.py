@@ -13,6 +13,7 @@ from ddptrain.dist import (
 )
 from ddptrain.launch import WorkerError, spawn
 from ddptrain.parallel.ddp import DDP, DistributedDataParallel
+from ddptrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from ddptrain.parallel.zero import ZeroRedundancyOptimizer
 from ddptrain.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from ddptrain.train.config import TrainerConfig
@@ -30,6 +31,7 @@ __all__ = [
     "EvalSampler",
     "NonFiniteError",
     "ShardedSampler",
+    "SyncBatchNorm",
     "Trainer",
     "TrainerConfig",
     "WorkerError",
@@ -37,6 +39,7 @@ __all__ = [
     "all_reduce_mean",
     "all_reduce_sum",
     "broadcast_object",
+    "convert_sync_batchnorm",
     "evaluate",
     "init_distributed",
     "is_main",
