@@ -24,6 +24,7 @@ Common flags:
     --target-acc 0.99 (exit 1 if final test accuracy is below it)
     --comm-hook {default,allreduce,bf16,ring,..} (how gradients are reduced)
     --zero-stage 1 (shard the optimizer state across ranks: ZeRO stage 1)
+    --batchnorm (LeNet with BatchNorm)   --sync-batchnorm (its statistics over all ranks)
 
 The last line printed is a summary:
     FINAL dataset=mnist test_accuracy=0.99.. epochs=8 steps=3752 wall_s=.. samples_per_s=..
@@ -61,7 +62,8 @@ class MNISTTrainer(Trainer):
         self.args = args
 
     def build_model(self) -> torch.nn.Module:
-        return LeNet(dropout=self.args.dropout, width=self.args.width)
+        batchnorm = self.args.batchnorm or self.args.sync_batchnorm
+        return LeNet(dropout=self.args.dropout, width=self.args.width, batchnorm=batchnorm)
 
     def build_datasets(self):
         # Alike on every rank, so a bad or missing file is one error line, not one per rank.
@@ -140,6 +142,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--comm-hook", choices=COMM_HOOKS, default="default")
     p.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=0)
+    p.add_argument("--batchnorm", action="store_true", help="LeNet with BatchNorm layers")
+    p.add_argument(
+        "--sync-batchnorm", action="store_true", help="BatchNorm over the global batch (implies it)"
+    )
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--dry-run", action="store_true", help="5 steps and one evaluation, for CI")
     p.add_argument("--target-acc", type=float, default=None)
@@ -161,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         precision=args.precision,
         comm_hook=args.comm_hook,
         zero_stage=args.zero_stage,
+        sync_batchnorm=args.sync_batchnorm,
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,
         log_dir=args.log_dir,

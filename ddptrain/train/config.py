@@ -58,6 +58,8 @@ class TrainerConfig:
     timeout_s: float = 300.0
     bucket_cap_mb: float = 25.0
     comm_hook: str = "default"
+    # BatchNorm statistics over the global batch (SyncBatchNorm): for small per-rank batches.
+    sync_batchnorm: bool = False
     nonfinite: str = "stop"
     heartbeat_timeout_s: float | None = 30.0
     check_replicas_every: int | None = None

@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 from ddptrain.data import ShardedSampler
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
 from ddptrain.parallel.ddp import DistributedDataParallel
+from ddptrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from ddptrain.parallel.zero import ZeroRedundancyOptimizer
 from ddptrain.train import health, resume
 from ddptrain.train.config import ConfigError, TrainerConfig
@@ -162,6 +163,7 @@ class Trainer:
 
     def _wrap_model(self, module: nn.Module) -> DistributedDataParallel:
         cfg = self.config
+        module = convert_sync_batchnorm(module) if cfg.sync_batchnorm else module
         return DistributedDataParallel(
             module, bucket_cap_mb=cfg.bucket_cap_mb, comm_hook=cfg.resolve_comm_hook()
         )
