@@ -172,6 +172,20 @@ def _train(model: nn.Module, world_size: int, rank: int | None) -> nn.Module:
     return model
 
 
+def _shadow_case(world_size: int, rank: int) -> dict:
+    """Rank 0 has run out of data and only answers the collectives (as join() will)."""
+    module = ddptrain.convert_sync_batchnorm(_make_bn("2d"))
+    if rank == 0:
+        sbn_module.shadow_forward(module)
+        sbn_module.shadow_backward(module)
+        return {"buffers": dict(module.named_buffers())}
+    x, dy = _inputs("2d", world_size, 0, torch.float32)
+    x = x[_rows(world_size, rank)].requires_grad_(True)
+    y = module(x)
+    (y * dy[_rows(world_size, rank)]).sum().backward()
+    return {"y": y.detach(), "dx": x.grad, "buffers": dict(module.named_buffers())}
+
+
 def _run_world() -> dict:
     info = ddptrain.init_distributed()
     rank, world_size = info.rank, info.world_size
@@ -193,6 +207,7 @@ def _run_world() -> dict:
         ),
         "one value": _error_of(lambda: ddptrain.SyncBatchNorm(c)(torch.randn(int(rank == 0), c))),
     }
+    results["shadow"] = _shadow_case(world_size, rank)
     model = ddptrain.DDP(ddptrain.convert_sync_batchnorm(_ddp_model()))
     results["ddp"] = _train(model, world_size, rank).module.state_dict()
     return results
@@ -256,6 +271,26 @@ def test_errors_are_clear_and_raised_on_every_rank(world):
             assert "different channel counts" in e["inputs differ"]
         else:
             assert e["modules differ"] == e["inputs differ"] == "no error"
+
+
+def test_a_rank_without_data_can_answer_with_shadow_calls(world):
+    """shadow_forward/backward on rank 0 leave the others' results those of their own batch."""
+    world_size, results = world
+    if world_size == 1:
+        pytest.skip("needs a second rank holding data")
+    bn = _make_bn("2d").double()
+    x, dy = _inputs("2d", world_size, 0, torch.float64)
+    rest = slice(SIZES[world_size][0], None)
+    x = x[rest].requires_grad_(True)
+    y = bn(x)
+    (y * dy[rest]).sum().backward()
+    shadow = [r["shadow"] for r in results]
+    _check(torch.cat([s["y"] for s in shadow[1:]]), y.detach(), "2d")
+    _check(torch.cat([s["dx"] for s in shadow[1:]]), x.grad, "2d")
+    for s in shadow:  # rank 0's running statistics follow the others' batch too
+        _check(s["buffers"]["running_mean"], bn.running_mean, "2d")
+        _check(s["buffers"]["running_var"], bn.running_var, "2d")
+        assert s["buffers"]["num_batches_tracked"].item() == 1
 
 
 def test_ddp_training_equals_one_process_on_the_global_batch(world):
