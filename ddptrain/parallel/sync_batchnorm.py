@@ -97,20 +97,22 @@ class SyncBatchNorm(_BatchNorm):
             self._num_features_checked = True
         packed = _local_stats(x, self.num_features)
         gathered = _all_gather_stats(packed, self.process_group)
-        counts, channels = gathered[:, 0], gathered[:, 1].tolist()
+        # One host read of the headers (a single device sync under CUDA).
+        header = gathered[:, :_HEADER].long().tolist()
+        counts, channels = [h[0] for h in header], [h[1] for h in header]
         if any(c != self.num_features for c in channels):
             raise ValueError(
                 f"SyncBatchNorm({self.num_features}) got inputs with different channel counts "
-                f"on different ranks: {[int(c) for c in channels]} (by rank); every rank must "
-                f"feed (N, {self.num_features}, ...)"
+                f"on different ranks: {channels} (by rank); every rank must feed "
+                f"(N, {self.num_features}, ...)"
             )
-        total = int(counts.sum().item())
+        total = sum(counts)
         if total < 2:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got {total} over all "
-                f"{len(channels)} ranks (per rank: {[int(c) for c in counts.tolist()]})"
+                f"{len(counts)} ranks (per rank: {counts})"
             )
-        mean, m2 = _merge(counts, gathered, self.num_features)
+        mean, m2 = _merge(gathered[:, 0], gathered, self.num_features)
         self._update_running_stats(mean, m2, total)
         return mean, m2 / total, total
 

@@ -215,7 +215,7 @@ def _run_world() -> dict:
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda ws: f"ws{ws}")
 def world(request) -> tuple[int, list[dict]]:
-    return request.param, ddptrain.spawn(_run_world, request.param, timeout_s=120)
+    return request.param, ddptrain.spawn(_run_world, request.param, timeout_s=300)
 
 
 def _oracle(case: str, world_size: int) -> dict:
@@ -359,9 +359,9 @@ def _run_trainers(configs: list[TrainerConfig]) -> list[dict]:
 def test_trainer_sync_batchnorm_trains_like_one_process():
     """TrainerConfig(sync_batchnorm=True) at ws=2 ends where one process does; local BN does not."""
     cfg = TrainerConfig(global_batch_size=12, epochs=2, progress_bar=False, sync_batchnorm=True)
-    (one,) = ddptrain.spawn(_run_trainers, 1, [cfg], timeout_s=120)[0]
+    (one,) = ddptrain.spawn(_run_trainers, 1, [cfg], timeout_s=300)[0]
     (sync, local), _ = ddptrain.spawn(
-        _run_trainers, 2, [cfg, replace(cfg, sync_batchnorm=False)], timeout_s=120
+        _run_trainers, 2, [cfg, replace(cfg, sync_batchnorm=False)], timeout_s=300
     )
     assert sync["sync"] and not local["sync"]
     worst = {"sync": 0.0, "local": 0.0}
