@@ -207,7 +207,7 @@ def _run_world() -> dict:
         ),
         "one value": _error_of(lambda: ddptrain.SyncBatchNorm(c)(torch.randn(int(rank == 0), c))),
     }
-    results["shadow"] = _shadow_case(world_size, rank)
+    results["shadow"] = _shadow_case(world_size, rank) if world_size > 1 else None
     model = ddptrain.DDP(ddptrain.convert_sync_batchnorm(_ddp_model()))
     results["ddp"] = _train(model, world_size, rank).module.state_dict()
     return results
