@@ -331,7 +331,10 @@ def test_resume_at_ws3_equals_unsharded_resume(ws3):
     _check_resume(ws3, 3)
 
 
-@pytest.mark.parametrize("world_size", [1, 4])
+@pytest.mark.parametrize(
+    "world_size",
+    [1, pytest.param(4, marks=pytest.mark.slow)],  # 4 processes on 2 cores: slow
+)
 def test_resume_at_other_world_sizes(ws2, checkpoint_path, world_size):
     """The same at ws=1 and ws=4, and ZeRO's state loads into a plain optimizer and back."""
     results = ddptrain.spawn(_run_world, world_size, [], None, checkpoint_path, timeout_s=300)
