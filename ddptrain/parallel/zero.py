@@ -24,13 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddptrain.parallel.broadcast import broadcast_calls, plan_broadcasts
+
 # Cuts fall on multiples of 64 elements inside a parameter, so a shard's vectorised loops see
 # the same element alignment as the whole tensor's would.
 ALIGN = 64
-# Shard pieces at least this big are broadcast in place (a copy would cost what the call
-# saves); smaller ones are packed, per owner and dtype, into flat buckets of up to the cap.
-_IN_PLACE_MIN_BYTES = 1 << 20
-_BUCKET_CAP_BYTES = 4 << 20
 
 Piece = tuple[int, int, int]  # (parameter index in its group, start, end) in flat elements
 
@@ -182,7 +180,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for params, plan in zip(self._params, self._plans, strict=True):
             for rank, pieces in enumerate(plan):
                 by_owner[rank] += [params[j].detach().view(-1)[a:b] for j, a, b in pieces]
-        return _bucket(by_owner)
+        return plan_broadcasts(by_owner)
 
     # ------------------------------------------------------------------------ stepping
     @torch.no_grad()
@@ -202,7 +200,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for view, *_ in self._splits:
             view.grad = None  # the views would keep a freed gradient alive
         if self.world_size > 1:
-            _broadcast(self._calls, self.rank, self.process_group)
+            broadcast_calls(self._calls, self.rank, self.process_group)
         if self._stands_for is not None:
             # An LR scheduler built on the original optimizer checks it was stepped first.
             self._stands_for._opt_called = True
@@ -253,7 +251,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 if kind == "slice":
                     state[index][key].view(-1)[a:b].copy_(self.local.state[view][key].view(-1))
         if self.world_size > 1:
-            _broadcast(_bucket(by_owner), self.rank, self.process_group)
+            broadcast_calls(plan_broadcasts(by_owner), self.rank, self.process_group)
         groups = [
             {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(o, o + n))}
             for group, o, n in zip(self.param_groups, offsets, map(len, self._params), strict=True)
@@ -361,47 +359,3 @@ def _first_difference(a: list[list[tuple]], b: list[list[tuple]]) -> str:
         if len(x) != len(y):
             return f"{len(x)} parameters in group {g}"
     return "the same"
-
-
-def _bucket(by_owner: list[list[torch.Tensor]]) -> list[tuple[int, list[torch.Tensor]]]:
-    """Broadcast calls (owner, tensors): big tensors alone, small ones packed per dtype/device."""
-    calls: list[tuple[int, list[torch.Tensor]]] = []
-    for owner, tensors in enumerate(by_owner):
-        packs: dict[tuple, list[torch.Tensor]] = {}
-        filled: dict[tuple, int] = {}
-        for t in tensors:
-            nbytes = t.numel() * t.element_size()
-            if nbytes == 0:
-                continue
-            if nbytes >= _IN_PLACE_MIN_BYTES:
-                calls.append((owner, [t]))
-                continue
-            key = (t.dtype, t.device)
-            if filled.get(key, 0) + nbytes > _BUCKET_CAP_BYTES:
-                calls.append((owner, packs.pop(key)))
-                filled[key] = 0
-            packs.setdefault(key, []).append(t)
-            filled[key] = filled.get(key, 0) + nbytes
-        calls += [(owner, pack) for pack in packs.values()]
-    return calls
-
-
-@torch.no_grad()
-def _broadcast(calls: list[tuple[int, list[torch.Tensor]]], rank: int, group: Any) -> None:
-    """Run the broadcasts in order; packed tensors travel as one flat tensor per call."""
-    for owner, tensors in calls:
-        src = dist.get_global_rank(group, owner) if group is not None else owner
-        if len(tensors) == 1:
-            dist.broadcast(tensors[0], src=src, group=group)
-            continue
-        if rank == owner:
-            dist.broadcast(torch.cat([t.reshape(-1) for t in tensors]), src=src, group=group)
-            continue
-        flat = torch.empty(
-            sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device
-        )
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()

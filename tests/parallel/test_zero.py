@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
 import toy_models
+from ddptrain.parallel.broadcast import plan_broadcasts
 from ddptrain.parallel.zero import ALIGN, ZeroRedundancyOptimizer, shard_ranges
 
 STEPS = 20
@@ -71,6 +72,15 @@ def test_shard_ranges_more_ranks_than_elements():
     """With more ranks than elements some ranks own nothing, and that is fine."""
     pieces = shard_ranges([3], 5)
     assert sum(len(p) for p in pieces) == 1 and [0, 0, 3] in [list(p) for r in pieces for p in r]
+
+
+def test_plan_broadcasts_packs_small_tensors_and_sends_big_ones_alone():
+    """Per owner in rank order: >= 1 MiB tensors alone, the small ones in one call per dtype."""
+    big = torch.empty(2**20 // 4)  # 1 MiB of float32
+    small = [torch.empty(10), torch.empty(3), torch.empty(5, dtype=torch.float64)]
+    calls = plan_broadcasts([[small[0], big, small[1]], [small[2]], []])
+    assert [(owner, len(ts)) for owner, ts in calls] == [(0, 1), (0, 2), (1, 1)]
+    assert calls[0][1][0] is big and calls[1][1] == [small[0], small[1]]
 
 
 # ---------------------------------------------------------------------------- worlds
