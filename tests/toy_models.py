@@ -75,6 +75,19 @@ class FrozenNet(nn.Module):
         return F.log_softmax(self.fc2(torch.relu(self.fc1(torch.relu(self.frozen(x))))), dim=1)
 
 
+class TanhMLP(nn.Module):
+    """Smooth everywhere (no ReLU, max-pool or dropout): rounding differences stay rounding-sized
+    over many steps instead of flipping an activation and growing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.head(self.net(x)), dim=1)
+
+
 def make(name: str) -> nn.Module:
     """Build a test model by name."""
     return {
@@ -84,6 +97,7 @@ def make(name: str) -> nn.Module:
         "tied": TiedNet,
         "branch": BranchNet,
         "frozen": FrozenNet,
+        "tanh": TanhMLP,
     }[name]()
 
 
