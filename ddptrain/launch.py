@@ -67,10 +67,10 @@ def spawn(
                 INIT_METHOD_ENV: init_method,
                 **(env or {}),
             }
+            # Not daemonic: a daemonic process may not start children, so a rank could not use
+            # DataLoader(num_workers > 0). The finally below kills every worker still alive.
             p = ctx.Process(
-                target=_worker,
-                args=(fn, args, rank, worker_env, threads_per_rank, results),
-                daemon=True,
+                target=_worker, args=(fn, args, rank, worker_env, threads_per_rank, results)
             )
             p.start()
             procs.append(p)

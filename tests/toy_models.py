@@ -132,17 +132,20 @@ class ToyTrainer(Trainer):
 
     fault = {"kind": "raise" | "kill" | "freeze" | "nan" | "perturb", "step": S, "rank": R
     (default: every rank), "stamp": path to write the time of a kill/freeze}. A kill or freeze
-    happens only on a job's first attempt, so a torchrun restart runs clean.
+    happens only on a job's first attempt, so a torchrun restart runs clean. smooth=True uses
+    tanh instead of ReLU, for runs compared with a tolerance rather than bitwise.
     """
 
-    def __init__(self, config, dropout=0.0, fault=None):
+    def __init__(self, config, dropout=0.0, fault=None, smooth=False):
         super().__init__(config)
         self.dropout = dropout
         self.fault = fault
+        self.smooth = smooth
 
     def build_model(self):
+        activation = nn.Tanh() if self.smooth else nn.ReLU()
         return nn.Sequential(
-            nn.Linear(8, 32), nn.ReLU(), nn.Dropout(self.dropout), nn.Linear(32, 3)
+            nn.Linear(8, 32), activation, nn.Dropout(self.dropout), nn.Linear(32, 3)
         )
 
     def build_datasets(self):

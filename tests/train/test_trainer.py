@@ -28,9 +28,9 @@ def _config(tmp_path, **overrides) -> TrainerConfig:
     return replace(base, **overrides)
 
 
-def _run_fit(config, dropout=0.0, crash_at_step=None):
+def _run_fit(config, dropout=0.0, crash_at_step=None, smooth=False):
     fault = {"kind": "raise", "step": crash_at_step} if crash_at_step is not None else None
-    trainer = ToyTrainer(config, dropout=dropout, fault=fault)
+    trainer = ToyTrainer(config, dropout=dropout, fault=fault, smooth=smooth)
     summary = trainer.fit()
     params = torch.cat([p.detach().reshape(-1) for p in trainer.model.module.parameters()])
     return summary, params
@@ -74,17 +74,20 @@ def test_crash_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
 
 def test_resume_at_another_world_size(tmp_path):
     """A world-size-2 run resumed at world sizes 1 and 3 ends within 1e-5 of the straight run."""
-    straight = ddptrain.spawn(_run_fit, 2, _config(tmp_path / "a"), timeout_s=120)
+    # Smooth model: the other world size sums each batch in another order, and through ReLU
+    # such last-bit differences can grow over 19 momentum steps (to 1e-4 on some CPUs); with
+    # tanh they stay ulp-sized. Measured on a 2-core AMD EPYC: see the printed max|diff|.
+    straight = ddptrain.spawn(_run_fit, 2, _config(tmp_path / "a"), 0.0, None, True, timeout_s=120)
     cfg = _config(tmp_path / "b", resume="auto")
     with pytest.raises(ddptrain.WorkerError):
-        ddptrain.spawn(_run_fit, 2, cfg, 0.0, 13, timeout_s=120)
+        ddptrain.spawn(_run_fit, 2, cfg, 0.0, 13, True, timeout_s=120)
     for world_size in (1, 3):
         d = tmp_path / f"ws{world_size}"
         (d / "ckpt").mkdir(parents=True)
         for f in (tmp_path / "b" / "ckpt").glob("ckpt-*"):
             (d / "ckpt" / f.name).write_bytes(f.read_bytes())
         cfg_n = _config(d, resume="auto")
-        resumed = ddptrain.spawn(_run_fit, world_size, cfg_n, timeout_s=120)
+        resumed = ddptrain.spawn(_run_fit, world_size, cfg_n, 0.0, None, True, timeout_s=120)
         diff = (resumed[0][1] - straight[0][1]).abs().max().item()
         print(f"resume 2 -> {world_size}: max|diff| = {diff:.3g}")
         assert diff < 1e-5
