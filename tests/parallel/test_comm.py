@@ -28,6 +28,11 @@ from ddptrain.parallel.comm import CastHook, RingHook, allreduce_hook, make_hook
 from ddptrain.parallel.ddp import DistributedDataParallel
 from ddptrain.parallel.shm import _COUNTER_STRIDE, SHM_DIR, SharedMemoryHook, _SharedBarrier
 
+# A spawned world runs many cases, so its first test waits for all of them: generous bounds
+# (a loaded 2-core machine runs it several times slower) that a hang still reaches.
+WORLD_TIMEOUT_S = 540
+pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
+
 # Sizes around the chunking edge cases: empty, fewer elements than ranks, not divisible.
 NUMELS = [0, 1, 2, 3, 5, 7, 64, 1001, 65_539]
 # Stated tolerance vs dist.all_reduce for float32 at world size >= 3, where the ring adds in a
@@ -81,7 +86,9 @@ def world():
 
     @functools.cache
     def results(world_size: int) -> list[dict]:
-        return ddptrain.spawn(_run_cases, world_size, CASES_BY_WORLD[world_size], timeout_s=300)
+        return ddptrain.spawn(
+            _run_cases, world_size, CASES_BY_WORLD[world_size], timeout_s=WORLD_TIMEOUT_S
+        )
 
     return results
 

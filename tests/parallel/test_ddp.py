@@ -21,6 +21,11 @@ import toy_models
 import worlds
 from ddptrain.parallel.ddp import DistributedDataParallel
 
+# A spawned world runs many cases, so its first test waits for all of them: generous bounds
+# (a loaded 2-core machine runs it several times slower) that a hang still reaches.
+WORLD_TIMEOUT_S = 540
+pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
+
 STEPS = 10
 MODELS = ["lenet", "batchnorm", "tied", "branch", "frozen", "no_sync"]
 MICRO_STEPS = 3
@@ -212,7 +217,9 @@ def world():
 
     @functools.cache
     def results(world_size: int) -> list[dict]:
-        return ddptrain.spawn(_run_cases, world_size, CASES_BY_WORLD[world_size], timeout_s=300)
+        return ddptrain.spawn(
+            _run_cases, world_size, CASES_BY_WORLD[world_size], timeout_s=WORLD_TIMEOUT_S
+        )
 
     return results
 

@@ -20,6 +20,11 @@ import toy_models
 import worlds
 from ddptrain.parallel.ddp import DistributedDataParallel
 
+# A spawned world runs many cases, so its first test waits for all of them: generous bounds
+# (a loaded 2-core machine runs it several times slower) that a hang still reaches.
+WORLD_TIMEOUT_S = 540
+pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
+
 WORLD_SIZE = 3
 # One step from identical weights: each wrapper's mean is within ws/2 ulps (of the dtype, of
 # mean_r|g_r|) of the exact mean (1/ws scaling + ws-1 additions, in any order); ws ulps
@@ -87,7 +92,7 @@ def _case_mixed_dtypes(info) -> dict:
 @pytest.fixture(scope="module")
 def world():
     """Every case of this module from one spawned world of 3 ranks."""
-    return ddptrain.spawn(_run_cases, WORLD_SIZE, timeout_s=300)
+    return ddptrain.spawn(_run_cases, WORLD_SIZE, timeout_s=WORLD_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", ["many_buckets", "mixed_dtypes"])

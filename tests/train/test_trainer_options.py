@@ -25,6 +25,11 @@ from ddptrain.train.config import TrainerConfig
 from ddptrain.train.evaluation import evaluate
 from toy_models import N_TRAIN, CrashAt, ToyTrainer
 
+# A spawned world runs many cases, so its first test waits for all of them: generous bounds
+# (a loaded 2-core machine runs it several times slower) that a hang still reaches.
+WORLD_TIMEOUT_S = 540
+pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
+
 WORLD_SIZE = 3
 STEPS = 2 * N_TRAIN // 12  # two epochs of global batch 12
 # Two runs of the smooth (tanh) ToyTrainer that sum in another order (accumulation, another
@@ -89,7 +94,7 @@ def _case_smooth_variants(info, root: str) -> dict:
 def world(tmp_path_factory):
     """Every case of this module from one spawned world of WORLD_SIZE ranks."""
     root = str(tmp_path_factory.mktemp("options"))
-    results = ddptrain.spawn(_run_cases, WORLD_SIZE, root, timeout_s=300)
+    results = ddptrain.spawn(_run_cases, WORLD_SIZE, root, timeout_s=WORLD_TIMEOUT_S)
     return root, results
 
 
