@@ -229,7 +229,8 @@ def print0(*args: object, **kwargs: object) -> None:
 
 def _reduce(value: float | torch.Tensor, average: bool) -> float | torch.Tensor:
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
+        # The same types as with more ranks: a new tensor (never the input), or a float.
+        return value.clone() if isinstance(value, torch.Tensor) else float(value)
     is_number = not isinstance(value, torch.Tensor)
     device = (
         torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"

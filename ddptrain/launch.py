@@ -21,6 +21,7 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -67,18 +68,17 @@ def spawn(
                 INIT_METHOD_ENV: init_method,
                 **(env or {}),
             }
+            # Not daemonic: a daemonic process may not start children, so a rank could not use
+            # DataLoader(num_workers > 0). The finally below kills every worker still alive.
             p = ctx.Process(
-                target=_worker,
-                args=(fn, args, rank, worker_env, threads_per_rank, results),
-                daemon=True,
+                target=_worker, args=(fn, args, rank, worker_env, threads_per_rank, results)
             )
             p.start()
             procs.append(p)
         return _collect(procs, results, timeout_s)
     finally:
         for p in procs:
-            if p.is_alive():
-                p.kill()
+            _kill_tree(p)
         for p in procs:
             p.join(timeout=10)
         results.close()
@@ -124,7 +124,19 @@ def _drain_error(results: Any) -> None:
         return
 
 
+def _kill_tree(p: Any) -> None:
+    """Kill a worker and anything it started (DataLoader workers): its own process group."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the worker and its children are gone already
+    if p.is_alive():
+        p.kill()
+
+
 def _worker(fn, args, rank, env, threads_per_rank, results) -> None:
+    # A process group of its own, so that spawn can kill its children with it.
+    os.setpgrp()
     os.environ.update(env)
     import torch
     import torch.distributed as dist

@@ -79,8 +79,11 @@ def test_world_of_one_runs_collectives(monkeypatch):
     assert (info.rank, info.world_size, info.backend) == (0, 1, "gloo")
     assert ddptrain.is_main()
     assert ddptrain.all_reduce_mean(2.5) == 2.5
+    assert ddptrain.all_reduce_mean(2) == 2.0 and isinstance(ddptrain.all_reduce_mean(2), float)
     t = torch.tensor([1.0, 2.0])
-    assert torch.equal(ddptrain.all_reduce_sum(t), t)
+    total = ddptrain.all_reduce_sum(t)
+    total += 1  # a new tensor, as at any world size: the input is untouched
+    assert t.tolist() == [1.0, 2.0] and total.tolist() == [2.0, 3.0]
     ddptrain.shutdown()
     ddptrain.shutdown()
 

@@ -75,6 +75,19 @@ class FrozenNet(nn.Module):
         return F.log_softmax(self.fc2(torch.relu(self.fc1(torch.relu(self.frozen(x))))), dim=1)
 
 
+class TanhMLP(nn.Module):
+    """Smooth everywhere (no ReLU, max-pool or dropout): rounding differences stay rounding-sized
+    over many steps instead of flipping an activation and growing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.head(self.net(x)), dim=1)
+
+
 def make(name: str) -> nn.Module:
     """Build a test model by name."""
     return {
@@ -84,6 +97,7 @@ def make(name: str) -> nn.Module:
         "tied": TiedNet,
         "branch": BranchNet,
         "frozen": FrozenNet,
+        "tanh": TanhMLP,
     }[name]()
 
 
@@ -118,17 +132,20 @@ class ToyTrainer(Trainer):
 
     fault = {"kind": "raise" | "kill" | "freeze" | "nan" | "perturb", "step": S, "rank": R
     (default: every rank), "stamp": path to write the time of a kill/freeze}. A kill or freeze
-    happens only on a job's first attempt, so a torchrun restart runs clean.
+    happens only on a job's first attempt, so a torchrun restart runs clean. smooth=True uses
+    tanh instead of ReLU, for runs compared with a tolerance rather than bitwise.
     """
 
-    def __init__(self, config, dropout=0.0, fault=None):
+    def __init__(self, config, dropout=0.0, fault=None, smooth=False):
         super().__init__(config)
         self.dropout = dropout
         self.fault = fault
+        self.smooth = smooth
 
     def build_model(self):
+        activation = nn.Tanh() if self.smooth else nn.ReLU()
         return nn.Sequential(
-            nn.Linear(8, 32), nn.ReLU(), nn.Dropout(self.dropout), nn.Linear(32, 3)
+            nn.Linear(8, 32), activation, nn.Dropout(self.dropout), nn.Linear(32, 3)
         )
 
     def build_datasets(self):

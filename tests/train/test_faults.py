@@ -13,6 +13,11 @@ from pathlib import Path
 import torch
 
 JOB = Path(__file__).resolve().parents[1] / "fault_job.py"
+# A missed detection waits for the collective timeout (TrainerConfig.timeout_s, 300 s); a caught
+# one takes seconds (a dead peer resets gloo's connections; a frozen one misses heartbeats).
+# The bound sits far from both, so a loaded 2-core machine that starts processes slowly still
+# passes while a hang still fails.
+DETECTED_WITHIN_S = 90
 
 
 def _free_port() -> int:
@@ -72,10 +77,10 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[flo
 
 
 def test_survivors_exit_fast_naming_a_killed_rank(tmp_path):
-    """SIGKILL of rank 2 mid-epoch: ranks 0 and 1 exit non-zero within seconds, naming rank 2."""
+    """SIGKILL of rank 2 mid-epoch: ranks 0 and 1 exit non-zero long before a timeout, naming 2."""
     stamp = tmp_path / "killed_at"
     procs = _launch_ranks(3, ["--fault", "kill:2:5", "--stamp", str(stamp)], tmp_path)
-    exit_times, outputs = _wait_all(procs, timeout_s=120)
+    exit_times, outputs = _wait_all(procs, timeout_s=240)
     assert procs[2].returncode == -signal.SIGKILL
     killed_at = float(stamp.read_text())
     for rank in (0, 1):
@@ -83,7 +88,7 @@ def test_survivors_exit_fast_naming_a_killed_rank(tmp_path):
         assert "lost rank(s) [2]" in outputs[rank], outputs[rank]
         seconds = exit_times[rank] - killed_at
         print(f"rank {rank} exited {seconds:.2f} s after rank 2 was killed")
-        assert seconds < 20
+        assert seconds < DETECTED_WITHIN_S
 
 
 def test_frozen_rank_is_detected_by_the_heartbeat(tmp_path):
@@ -93,7 +98,7 @@ def test_frozen_rank_is_detected_by_the_heartbeat(tmp_path):
         2, ["--fault", "freeze:1:5", "--stamp", str(stamp), "--heartbeat-timeout", "4"], tmp_path
     )
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 2 * DETECTED_WITHIN_S
         while procs[0].poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         exited_at = time.time()
@@ -104,7 +109,8 @@ def test_frozen_rank_is_detected_by_the_heartbeat(tmp_path):
     assert "lost rank 1" in outputs[0]
     seconds = exited_at - float(stamp.read_text())
     print(f"rank 0 exited {seconds:.2f} s after rank 1 froze (heartbeat_timeout_s=4)")
-    assert 3 < seconds < 20
+    # Never before the 4-s heartbeat timeout (that would be a false alarm), never a hang.
+    assert 3 < seconds < DETECTED_WITHIN_S
 
 
 def _torchrun(args: list[str], tmp_path: Path, restarts: int) -> subprocess.CompletedProcess:

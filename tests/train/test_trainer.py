@@ -28,12 +28,27 @@ def _config(tmp_path, **overrides) -> TrainerConfig:
     return replace(base, **overrides)
 
 
-def _run_fit(config, dropout=0.0, crash_at_step=None):
+def _run_fit(config, dropout=0.0, crash_at_step=None, smooth=False):
     fault = {"kind": "raise", "step": crash_at_step} if crash_at_step is not None else None
-    trainer = ToyTrainer(config, dropout=dropout, fault=fault)
+    trainer = ToyTrainer(config, dropout=dropout, fault=fault, smooth=smooth)
     summary = trainer.fit()
     params = torch.cat([p.detach().reshape(-1) for p in trainer.model.module.parameters()])
     return summary, params
+
+
+def _run_fits(runs: list[tuple]) -> list:
+    """Several fits in one world (one process start): each run's (summary, params), or for a
+    run that raised, ("error", message, name of the latest checkpoint left)."""
+    out = []
+    for config, *args in runs:
+        try:
+            out.append(_run_fit(config, *args))
+        except Exception as e:  # noqa: BLE001 - the test asserts on the message
+            latest = (
+                ckpt.latest_checkpoint(config.checkpoint_dir) if config.checkpoint_dir else None
+            )
+            out.append(("error", f"{type(e).__name__}: {e}", latest.name if latest else None))
+    return out
 
 
 def test_trains_and_loss_falls_at_world_size_2(tmp_path):
@@ -61,6 +76,7 @@ def test_eval_counts_every_sample_exactly_once(tmp_path, world_size):
 
 def test_crash_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
     """A run killed mid-epoch and resumed with resume='auto' ends with bitwise equal weights."""
+    # Separate process starts on purpose: a resume in a fresh process is the real scenario.
     straight = ddptrain.spawn(_run_fit, 2, _config(tmp_path / "a"), 0.3, timeout_s=120)
     cfg = _config(tmp_path / "b", resume="auto")
     with pytest.raises(ddptrain.WorkerError, match="simulated crash"):
@@ -74,18 +90,20 @@ def test_crash_and_resume_is_bitwise_equal_to_uninterrupted(tmp_path):
 
 def test_resume_at_another_world_size(tmp_path):
     """A world-size-2 run resumed at world sizes 1 and 3 ends within 1e-5 of the straight run."""
-    straight = ddptrain.spawn(_run_fit, 2, _config(tmp_path / "a"), timeout_s=120)
-    cfg = _config(tmp_path / "b", resume="auto")
-    with pytest.raises(ddptrain.WorkerError):
-        ddptrain.spawn(_run_fit, 2, cfg, 0.0, 13, timeout_s=120)
+    # Smooth model: the other world size sums each batch in another order, and through ReLU
+    # such last-bit differences can grow over 19 momentum steps (to 1e-4 on some CPUs); with
+    # tanh they stay ulp-sized. Measured on a 2-core AMD EPYC: see the printed max|diff|.
+    runs = [(_config(tmp_path / "a"), 0.0, None, True), (_config(tmp_path / "b"), 0.0, 13, True)]
+    (straight, crashed), _ = ddptrain.spawn(_run_fits, 2, runs, timeout_s=240)
+    assert crashed[0] == "error"
     for world_size in (1, 3):
         d = tmp_path / f"ws{world_size}"
         (d / "ckpt").mkdir(parents=True)
         for f in (tmp_path / "b" / "ckpt").glob("ckpt-*"):
             (d / "ckpt" / f.name).write_bytes(f.read_bytes())
         cfg_n = _config(d, resume="auto")
-        resumed = ddptrain.spawn(_run_fit, world_size, cfg_n, timeout_s=120)
-        diff = (resumed[0][1] - straight[0][1]).abs().max().item()
+        resumed = ddptrain.spawn(_run_fit, world_size, cfg_n, 0.0, None, True, timeout_s=120)
+        diff = (resumed[0][1] - straight[1]).abs().max().item()
         print(f"resume 2 -> {world_size}: max|diff| = {diff:.3g}")
         assert diff < 1e-5
 
@@ -105,10 +123,9 @@ def test_checkpoint_loads_into_a_plain_module(tmp_path):
 
 def test_resume_with_incompatible_config_names_the_setting(tmp_path):
     """Resuming with a different global_batch_size fails with the setting and the fix named."""
-    ddptrain.spawn(_run_fit, 1, _config(tmp_path, epochs=1), timeout_s=120)
     cfg = _config(tmp_path, epochs=2, global_batch_size=24, resume="auto")
-    with pytest.raises(ddptrain.WorkerError, match="global_batch_size=12"):
-        ddptrain.spawn(_run_fit, 1, cfg, timeout_s=120)
+    [[_, refused]] = ddptrain.spawn(_run_fits, 1, [(_config(tmp_path, epochs=1),), (cfg,)])
+    assert refused[0] == "error" and "global_batch_size=12" in refused[1]
 
 
 @pytest.mark.parametrize(
@@ -142,17 +159,17 @@ def test_config_is_keyword_only():
 
 def test_resuming_a_finished_run_still_reports_metrics(tmp_path):
     """resume='auto' on a finished run trains nothing but evaluates, so the summary has metrics."""
-    ddptrain.spawn(_run_fit, 1, _config(tmp_path, epochs=1), timeout_s=120)
-    summary, _ = ddptrain.spawn(_run_fit, 1, _config(tmp_path, epochs=1, resume="auto"))[0]
+    runs = [(_config(tmp_path, epochs=1),), (_config(tmp_path, epochs=1, resume="auto"),)]
+    [[_, (summary, _)]] = ddptrain.spawn(_run_fits, 1, runs, timeout_s=240)
     assert summary["step"] == 8 and summary["eval"]["eval_samples"] == N_EVAL
 
 
 def test_resuming_behind_later_checkpoints_is_refused_at_start(tmp_path):
     """An explicit older checkpoint with later ones beside it is refused before training."""
-    ddptrain.spawn(_run_fit, 1, _config(tmp_path, epochs=2), timeout_s=120)
     older = str(tmp_path / "ckpt" / ckpt.checkpoint_name(5))
-    with pytest.raises(ddptrain.WorkerError, match="already holds later checkpoints"):
-        ddptrain.spawn(_run_fit, 1, _config(tmp_path, epochs=2, resume=older), timeout_s=120)
+    runs = [(_config(tmp_path, epochs=2),), (_config(tmp_path, epochs=2, resume=older),)]
+    [[_, refused]] = ddptrain.spawn(_run_fits, 1, runs, timeout_s=240)
+    assert refused[0] == "error" and "already holds later checkpoints" in refused[1]
 
 
 def test_unwritable_checkpoint_dir_fails_before_any_training_step(tmp_path):
