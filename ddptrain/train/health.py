@@ -47,13 +47,19 @@ class NonFiniteError(RuntimeError):
 class Heartbeat:
     """A daemon thread that beats for this rank and exits the process if a peer goes silent."""
 
+    _instances = 0
+
     def __init__(self, timeout_s: float = 30.0, interval_s: float = 0.5, store: Any = None):
         if not timeout_s > interval_s > 0:
             raise ValueError(f"need timeout_s > interval_s > 0, got {timeout_s}, {interval_s}")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout_s, self.interval_s = timeout_s, interval_s
         base = store if store is not None else dist.distributed_c10d._get_default_store()
-        self._store = dist.PrefixStore("ddptrain/heartbeat", base)
+        # A key prefix per Heartbeat: a second fit() in the same group must not read the first
+        # one's done/<rank> marks, or it would never watch its peers. Every rank builds its
+        # Heartbeats in the same order, so the numbers agree.
+        Heartbeat._instances += 1
+        self._store = dist.PrefixStore(f"ddptrain/heartbeat/{Heartbeat._instances}", base)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ddptrain-heartbeat", daemon=True)
