@@ -5,6 +5,7 @@
     python -m ddptrain.bench --models mlp --steps 60 --extras bf16,fp16,ring
     python -m ddptrain.bench --world-size 3 --out bench-results/ws3
     python -m ddptrain.bench --models mlp,lenet --extras adamw,zero,zero-sgd   # ZeRO stage 1
+    python -m ddptrain.bench --models mlp --extras gloo --ladder   # docs/walkthrough.md's steps
 
 All variants live in the same processes and take turns (the order rotates every round), so
 machine noise hits them alike. Each turn is a block of --block steps run back to back, as in
@@ -30,12 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
 from ddptrain.bench.report import format_table, machine, plot, summarize
 from ddptrain.models import LeNet
-from ddptrain.parallel.comm import make_hook, ring_all_reduce
+from ddptrain.parallel.comm import allreduce_hook, make_hook, ring_all_reduce
 from ddptrain.parallel.ddp import DistributedDataParallel
 from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 from ddptrain.parallel.zero import ZeroRedundancyOptimizer
@@ -57,6 +59,9 @@ OPTIMIZER_EXTRAS = {
     "zero": (torch.optim.AdamW, True),
     "zero-sgd": (torch.optim.SGD, True),
 }
+# Opt-in (--ladder) rungs of docs/walkthrough.md, between "naive" and "ddptrain_gloo": each adds
+# one idea to the one before, all over the backend's all_reduce.
+LADDER = ("flat", "hooked", "hooked_rebuild")
 RING_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -113,6 +118,17 @@ def _naive_average(model: nn.Module, world_size: int) -> None:
             p.grad.div_(world_size)
 
 
+def _flat_average(model: nn.Module, world_size: int) -> None:
+    # One all_reduce of every gradient packed flat, after backward: one call's latency instead
+    # of one per parameter, but still nothing overlaps backward.
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat.div_(world_size)
+    for grad, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+        grad.copy_(synced)
+
+
 def _make_variant(name: str, base: nn.Module, world_size: int) -> tuple[nn.Module, Callable]:
     """A (model, after_backward) pair for one variant, each with its own copy of the weights."""
     module = copy.deepcopy(base)
@@ -122,6 +138,16 @@ def _make_variant(name: str, base: nn.Module, world_size: int) -> tuple[nn.Modul
     elif name.startswith("ddptrain_"):
         hook = make_hook(EXTRAS[name.removeprefix("ddptrain_")])
         model = DistributedDataParallel(module, comm_hook=hook)
+    elif name == "flat":
+        model = module
+        after = lambda: _flat_average(module, world_size)  # noqa: E731
+    elif name in ("hooked", "hooked_rebuild"):
+        model = DistributedDataParallel(
+            module,
+            comm_hook=allreduce_hook,
+            rebuild_buckets=name == "hooked_rebuild",
+            gradient_as_bucket_view=False,
+        )
     elif name == "torch_ddp":
         model = TorchDDP(module)
     elif name == "naive":
@@ -257,6 +283,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     malloc_fixed = not args.stock_malloc and _keep_freed_memory()
     info = ddptrain.init_distributed(backend=args.backend)
     variants = list(BASE_VARIANTS) + [f"ddptrain_{e}" for e in args.extras]
+    variants += list(LADDER) if args.ladder else []
     out: dict[str, Any] = {
         "models": {
             m: _bench_model(m, variants, args.steps, args.warmup, args.block, info.device)
@@ -287,6 +314,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"opt-in ddptrain variants: subset of {','.join([*EXTRAS, *OPTIMIZER_EXTRAS])}, "
         "or 'none'",
     )
+    p.add_argument("--ladder", action="store_true", help=f"add {', '.join(LADDER)}")
     p.add_argument("--ring-reps", type=int, default=10, help="0 skips the ring bandwidth test")
     p.add_argument("--ring-sizes", default=",".join(map(str, RING_SIZES_MB)), help="MiB")
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl if CUDA)")
