@@ -26,6 +26,7 @@ in rank 0's order. Pass `comm_hook=allreduce_hook` to force the backend's all_re
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddptrain import profiling
 from ddptrain.parallel.buckets import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_CAP_MB,
@@ -129,6 +131,9 @@ class DistributedDataParallel(nn.Module):
         self._sync = True
         self._scratch = torch.empty(0)
         self._step = _StepState(len(self._params), self._bucket_lens)
+        # Seconds the last synchronized backward waited for its buckets after autograd was
+        # done: the communication that overlap did not hide (the Trainer logs it as comm_s).
+        self.last_comm_wait_s = 0.0
 
     # ----------------------------------------------------------------------------- buckets
     def _build_buckets(self, order: list[int]) -> None:
@@ -242,8 +247,9 @@ class DistributedDataParallel(nn.Module):
         step.ready[index] = True
         if self._ready_order is not None:
             self._ready_order.append(index)
-        self._fill_view(index, param.grad)
         bucket = self._param_bucket[index]
+        with profiling.mark("ddptrain.fill bucket", bucket):
+            self._fill_view(index, param.grad)
         step.pending[bucket] -= 1
         if step.pending[bucket] == 0:
             self._launch_ready_buckets()
@@ -282,10 +288,15 @@ class DistributedDataParallel(nn.Module):
             if b == last:
                 # "Used here" flags ride in the last bucket's tail: no extra collective.
                 self._used_flags.copy_(torch.tensor(step.used, dtype=self._used_flags.dtype))
-            step.works[b] = self.comm_hook(self._buckets[b], self.process_group)
+            with profiling.mark("ddptrain.launch bucket", b):
+                step.works[b] = self.comm_hook(self._buckets[b], self.process_group)
             step.next_bucket += 1
 
     def _finalize(self) -> None:
+        with profiling.mark("ddptrain.finalize"):
+            self._finalize_buckets()
+
+    def _finalize_buckets(self) -> None:
         step = self._step
         try:
             for index, ready in enumerate(step.ready):
@@ -295,8 +306,11 @@ class DistributedDataParallel(nn.Module):
                     self._fill_view(index, self._params[index].grad)
                     step.pending[self._param_bucket[index]] -= 1
             self._launch_ready_buckets()
-            for work in step.works:
-                work.wait()
+            started = time.perf_counter()
+            for b, work in enumerate(step.works):
+                with profiling.mark("ddptrain.wait bucket", b):
+                    work.wait()
+            self.last_comm_wait_s = time.perf_counter() - started
             used_anywhere = (self._used_flags != 0).tolist()
             if self._ready_order is not None:
                 self._rebuild_in_ready_order()

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddptrain import profiling
+
 SHM_DIR = "/dev/shm"
 # Room left free in SHM_DIR: a full tmpfs kills a process with SIGBUS, not an exception.
 _SHM_HEADROOM_BYTES = 256 * 1024 * 1024
@@ -140,6 +142,11 @@ class SharedMemoryHook:
         return self._runner.submit(self._reduce, bucket, flat)
 
     def _reduce(self, bucket: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        # Runs on the worker thread (overlapping backward) or on the thread that waits.
+        with profiling.mark("ddptrain.shm_reduce", bucket.numel()):
+            return self._reduce_rows(bucket, flat)
+
+    def _reduce_rows(self, bucket: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         barrier = self._barrier
         numel = bucket.numel()
         rows = flat.view(self.world_size, numel)
