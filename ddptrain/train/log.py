@@ -1,15 +1,18 @@
-"""Output of the Trainer: a JSON-lines metrics file and a progress bar (rank 0), and the loss
-window they report (every rank).
+"""Output of the Trainer: a JSON-lines metrics file, TensorBoard and a progress bar (rank 0),
+and the loss window they report (every rank).
 
 log = MetricsLog("runs/mnist")        # appends to runs/mnist/metrics.jsonl
 log.write({"step": 10, "loss": 0.31})
+log = open_logs(("jsonl", "tensorboard"), "runs/mnist")   # both, the same records
 window = LossWindow(device)            # every rank: window.add(loss, samples) each step, then
 mean_loss, samples_per_s = window.report(steps)   # at a log step (a collective), which resets it
 # read back: [json.loads(line) for line in open("runs/mnist/metrics.jsonl")]
+# tensorboard --logdir runs    (needs the tensorboard package: pip install 'ddptrain[tensorboard]')
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -19,6 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+
+LOGGERS = ("jsonl", "tensorboard")
+TENSORBOARD_HINT = (
+    "loggers=('tensorboard',) needs the tensorboard package: pip install 'ddptrain[tensorboard]' "
+    "(or: pip install tensorboard)"
+)
 
 
 class MetricsLog:
@@ -39,8 +48,62 @@ class MetricsLog:
         self._file.close()
 
 
+class TensorBoardLog:
+    """The same records as TensorBoard scalars: one tag per numeric field, x = the step."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        if not tensorboard_installed():
+            raise ImportError(TENSORBOARD_HINT)
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(directory))
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Add each numeric field (step and epoch aside) as a scalar at the record's step."""
+        if "step" not in record or record.get("event"):
+            return
+        for name, value in record.items():
+            if name in ("step", "epoch") or isinstance(value, bool):
+                continue
+            if isinstance(value, (int, float)):
+                self._writer.add_scalar(name, value, global_step=record["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        """Flush and close the event file."""
+        self._writer.close()
+
+
+class Logs:
+    """Several logs written alike."""
+
+    def __init__(self, logs: list[Any]) -> None:
+        self._logs = logs
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Write the record to every log."""
+        for log in self._logs:
+            log.write(record)
+
+    def close(self) -> None:
+        """Close every log."""
+        for log in self._logs:
+            log.close()
+
+
+def open_logs(names: tuple[str, ...], directory: str | os.PathLike) -> Logs:
+    """Open the named logs ("jsonl", "tensorboard") in `directory`."""
+    kinds = {"jsonl": MetricsLog, "tensorboard": TensorBoardLog}
+    return Logs([kinds[name](directory) for name in names])
+
+
+def tensorboard_installed() -> bool:
+    """Whether torch.utils.tensorboard can be imported (it needs the tensorboard package)."""
+    return importlib.util.find_spec("tensorboard") is not None
+
+
 class ProgressBar:
-    """A tqdm bar over optimizer steps showing loss and samples/s; a no-op when disabled."""
+    """A tqdm bar over optimizer steps: loss, samples/s, exposed comm share; off when disabled."""
 
     def __init__(self, total: int, initial: int, enabled: bool) -> None:
         self._bar = (
@@ -48,13 +111,14 @@ class ProgressBar:
         )
 
     def update(self, step: int, record: dict[str, Any]) -> None:
-        """Move to `step` and show the latest loss and throughput."""
+        """Move to `step` and show the latest loss, throughput and exposed-communication share."""
         if self._bar is None:
             return
         self._bar.update(step - self._bar.n)
-        self._bar.set_postfix(
-            loss=f"{record['loss']:.4f}", samples_s=f"{record['samples_per_s']:.0f}"
-        )
+        shown = {"loss": f"{record['loss']:.4f}", "samples_s": f"{record['samples_per_s']:.0f}"}
+        if "comm_share" in record:
+            shown["comm"] = f"{record['comm_share']:.0%}"
+        self._bar.set_postfix(shown)
 
     def close(self) -> None:
         """Close the bar."""

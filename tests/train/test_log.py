@@ -1,0 +1,41 @@
+"""Logs: TensorBoard gets the same scalars as metrics.jsonl; a missing package is one line."""
+
+import json
+
+import pytest
+
+from ddptrain.train import log as logs
+
+RECORDS = [
+    {"event": "start", "step": 0, "time_s": 0.0, "world_size": 2, "precision": "fp32"},
+    {"step": 5, "epoch": 0, "loss": 0.75, "lr": 0.1, "comm_share": 0.25, "time_s": 1.5},
+    {"step": 10, "epoch": 1, "eval_accuracy": 0.875, "eval_samples": 40, "time_s": 3.0},
+]
+
+
+def test_tensorboard_event_file_holds_the_records_scalars(tmp_path):
+    """Read back with TensorBoard's EventAccumulator: one tag per numeric field, at its step."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = logs.open_logs(("jsonl", "tensorboard"), tmp_path)
+    for record in RECORDS:
+        log.write(record)
+    log.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == RECORDS
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert tags == {"loss", "lr", "comm_share", "time_s", "eval_accuracy", "eval_samples"}
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(5, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars("eval_accuracy")] == [(10, 0.875)]
+    assert [e.step for e in events.Scalars("time_s")] == [5, 10]
+
+
+def test_missing_tensorboard_says_how_to_install(tmp_path, monkeypatch):
+    """Without the package, opening the log raises one line naming the pip command."""
+    monkeypatch.setattr(logs.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match=r"pip install 'ddptrain\[tensorboard\]'") as info:
+        logs.open_logs(("tensorboard",), tmp_path)
+    assert "\n" not in str(info.value)
