@@ -7,6 +7,9 @@
     with profiling.trace("runs/x/trace-rank0.json"):     # marks on, every thread profiled
         train_some_steps()                               # -> a Chrome trace (Perfetto opens it)
 
+    tracer = StepTracer((5, 7), "runs/x", rank)           # what TrainerConfig.profile_steps does
+    tracer.before_step(step + 1); ...; tracer.after_step(step + 1)
+
 `torch.profiler.record_function` costs ~15 us even with no profiler running (measured on the
 loaded 2-core test machine), and the wrapper's hooks run once per parameter per step, so marks
 are behind a module flag: when it is off, `mark()` is one attribute read and a shared null
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 # Set only inside trace(): read on the hot path, so a plain module global.
@@ -48,15 +52,63 @@ def marks_on() -> Iterator[None]:
         active = previous
 
 
-@contextlib.contextmanager
-def trace(path: str | os.PathLike) -> Iterator[profile]:
-    """Profile the block on every thread with marks on; write a Chrome trace to `path`."""
+def _profiler() -> profile:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
     # Without profile_all_threads, spans on the shared-memory worker thread are dropped.
     config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    return profile(activities=activities, experimental_config=config)
+
+
+@contextlib.contextmanager
+def trace(path: str | os.PathLike) -> Iterator[profile]:
+    """Profile the block on every thread with marks on; write a Chrome trace to `path`."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with profile(activities=activities, experimental_config=config) as prof, marks_on():
+    with _profiler() as prof, marks_on():
         yield prof
     prof.export_chrome_trace(str(path))
+
+
+def trace_path(directory: str | os.PathLike, rank: int) -> Path:
+    """Where rank `rank`'s trace of profile_steps goes."""
+    return Path(directory) / f"trace-rank{rank}.json"
+
+
+class StepTracer:
+    """Profiles optimizer steps first..last (numbered from 1, as in the log) on every rank."""
+
+    def __init__(self, steps: tuple[int, int] | None, directory: str | os.PathLike, rank: int):
+        self.steps = steps
+        self.path = trace_path(directory, rank)
+        self._prof: profile | None = None
+        self._was_active = False
+
+    def before_step(self, step: int) -> None:
+        """Start profiling if `step` (about to run) is the first profiled step."""
+        if self.steps is None or step != self.steps[0]:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        global active
+        self._prof = _profiler()
+        self._prof.start()
+        self._was_active, active = active, True
+        # Ranks start their profilers at different moments; meeting here keeps that skew out
+        # of the first profiled step's wait for buckets.
+        if dist.is_initialized():
+            dist.barrier()
+
+    def after_step(self, step: int) -> None:
+        """Stop and write the trace once `step` (just run) is the last profiled step."""
+        if self._prof is not None and self.steps is not None and step >= self.steps[1]:
+            self.close()
+
+    def close(self) -> None:
+        """Stop and write the trace if profiling (the loop may end before the last step)."""
+        if self._prof is None:
+            return
+        global active
+        prof, self._prof = self._prof, None
+        active = self._was_active
+        prof.stop()
+        prof.export_chrome_trace(str(self.path))

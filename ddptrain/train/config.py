@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ddptrain.parallel.comm import HOOK_NAMES, make_hook
+from ddptrain.train.log import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
 
 # Settings that define the sample order and step size: a resumed run must keep them.
 RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last")
@@ -64,6 +65,8 @@ class TrainerConfig:
     heartbeat_timeout_s: float | None = 30.0
     check_replicas_every: int | None = None
     zero_stage: int = 0
+    loggers: tuple[str, ...] = ("jsonl",)
+    profile_steps: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         positive = {
@@ -118,6 +121,33 @@ class TrainerConfig:
             )
         if self.resume == "auto" and not self.checkpoint_dir:
             raise ConfigError("resume='auto' looks in checkpoint_dir; set checkpoint_dir too")
+        self._check_observability()
+
+    def _check_observability(self) -> None:
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        if unknown or isinstance(self.loggers, str):
+            raise ConfigError(f"loggers={self.loggers!r}: use a tuple of {list(LOGGERS)}")
+        if "tensorboard" in self.loggers:
+            if not tensorboard_installed():
+                raise ConfigError(TENSORBOARD_HINT)
+            if not self.log_dir:
+                raise ConfigError("loggers with 'tensorboard' write into log_dir; set log_dir")
+        if self.profile_steps is not None:
+            steps = tuple(self.profile_steps)
+            if not (
+                len(steps) == 2
+                and all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+                and 1 <= steps[0] <= steps[1]
+            ):
+                raise ConfigError(
+                    f"profile_steps={self.profile_steps!r}: use (first, last) optimizer steps, "
+                    "1 <= first <= last, e.g. (5, 7) profiles steps 5, 6 and 7"
+                )
+            if not (self.log_dir or self.checkpoint_dir):
+                raise ConfigError(
+                    "profile_steps writes one trace per rank into log_dir (or checkpoint_dir); "
+                    "set log_dir"
+                )
 
     @property
     def micro_global_batch_size(self) -> int:
