@@ -4,8 +4,9 @@ and the loss window they report (every rank).
 log = MetricsLog("runs/mnist")        # appends to runs/mnist/metrics.jsonl
 log.write({"step": 10, "loss": 0.31})
 log = open_logs(("jsonl", "tensorboard"), "runs/mnist")   # both, the same records
-window = LossWindow(device)            # every rank: window.add(loss, samples) each step, then
-mean_loss, samples_per_s = window.report(steps)   # at a log step (a collective), which resets it
+window = LossWindow(device)            # every rank: window.add(loss, samples) each step, and
+window.times.add("comm_s", 0.002)      # the step's time split (ddptrain.train.timing), then
+mean_loss, samples_per_s, split = window.report(steps)   # at a log step (a collective)
 # read back: [json.loads(line) for line in open("runs/mnist/metrics.jsonl")]
 # tensorboard --logdir runs    (needs the tensorboard package: pip install 'ddptrain[tensorboard]')
 """
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+
+from ddptrain.train.timing import StepTimes, split_record
 
 LOGGERS = ("jsonl", "tensorboard")
 TENSORBOARD_HINT = (
@@ -127,28 +130,34 @@ class ProgressBar:
 
 
 class LossWindow:
-    """Loss and samples of the steps since the last log line, on every rank."""
+    """Loss, samples and time split of the steps since the last log line, on every rank."""
 
     def __init__(self, device: torch.device) -> None:
         self.loss = torch.zeros((), device=device)
         self.samples = 0
         self.start = time.perf_counter()
+        self.times = StepTimes()
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
         """Add one optimizer step's summed local loss and its global sample count."""
         self.loss += loss
         self.samples += samples
 
-    def report(self, steps: int) -> tuple[float, float]:
-        """Return (mean loss over ranks and `steps`, samples per second) and start a new window."""
-        total = self.loss.detach().clone().double()
+    def report(self, steps: int) -> tuple[float, float, dict[str, float]]:
+        """Return (mean loss over ranks and `steps`, samples per second, time split averaged over
+        ranks and steps) and start a new window; one all_reduce."""
+        sums = torch.cat([self.loss.detach().reshape(1).double(), self._times_tensor()])
         if dist.get_world_size() > 1:
-            dist.all_reduce(total)
-        mean_loss = total.item() / dist.get_world_size() / steps
+            dist.all_reduce(sums)
+        means = (sums / dist.get_world_size()).tolist()
         samples_per_s = self.samples / max(time.perf_counter() - self.start, 1e-9)
         self.start, self.samples = time.perf_counter(), 0
         self.loss.zero_()
-        return mean_loss, samples_per_s
+        self.times.reset()
+        return means[0] / steps, samples_per_s, split_record(means[1:], steps)
+
+    def _times_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.times.values(), dtype=torch.float64, device=self.loss.device)
 
 
 def describe_run(

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ddptrain import profiling
 from ddptrain.data import ShardedSampler
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
 from ddptrain.parallel.ddp import DistributedDataParallel
@@ -46,7 +47,7 @@ from ddptrain.train import health, resume
 from ddptrain.train.config import ConfigError, TrainerConfig
 from ddptrain.train.evaluation import evaluate, move_to
 from ddptrain.train.health import Heartbeat, NonFiniteError
-from ddptrain.train.log import LossWindow, MetricsLog, ProgressBar, describe_run
+from ddptrain.train.log import LossWindow, ProgressBar, describe_run, open_logs
 
 __all__ = ["NonFiniteError", "Trainer"]
 
@@ -211,7 +212,9 @@ class Trainer:
     def _step(self, batches: Iterator, eval_set: Dataset | None) -> None:
         """One optimizer step, then the periodic work that falls due after it."""
         micro = min(self.config.grad_accum_steps, self.sampler.num_batches)
+        self._tracer.before_step(self.step + 1)
         loss, stepped = self._train_step(batches, micro)
+        self._tracer.after_step(self.step + 1)
         if self.scheduler is not None and stepped:
             self.scheduler.step()
         self.step += 1
@@ -223,22 +226,40 @@ class Trainer:
 
     def _train_step(self, batches: Iterator, micro: int) -> tuple[torch.Tensor, bool]:
         """Forward and backward `micro` micro-batches (averaging on the last); return the summed
-        loss and whether the optimizer stepped."""
+        loss and whether the optimizer stepped. Wall-clock marks split its time into the
+        phases of ddptrain.train.timing."""
+        times = self._progress.window.times
+        began = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.info.device)
         for m in range(micro):
+            mark = time.perf_counter()
             batch = self._next_batch(batches)
-            total += self._micro_step(batch, micro, sync=m == micro - 1)
-        return total, self._optimizer_step(total)
+            now = time.perf_counter()
+            times.add("data_s", now - mark)
+            sync = m == micro - 1
+            total += self._micro_step(batch, micro, sync=sync)
+            # The wrapper timed its own wait for buckets: communication overlap did not hide.
+            comm = self.model.last_comm_wait_s if sync else 0.0
+            times.add("compute_s", max(0.0, time.perf_counter() - now - comm))
+            times.add("comm_s", comm)
+        mark = time.perf_counter()
+        with profiling.mark("ddptrain.optimizer"):
+            stepped = self._optimizer_step(total)
+        now = time.perf_counter()
+        times.add("optim_s", now - mark)
+        times.add("step_s", now - began)
+        return total, stepped
 
     def _next_batch(self, batches: Iterator) -> Any:
-        return move_to(next(batches), self.info.device)
+        with profiling.mark("ddptrain.data"):
+            return move_to(next(batches), self.info.device)
 
     def _micro_step(self, batch: Any, micro: int, *, sync: bool) -> torch.Tensor:
         """Forward and backward one micro-batch; gradients are averaged only when `sync`."""
         with contextlib.nullcontext() if sync else self.model.no_sync():
             # Forward under autocast, backward outside it, as torch.amp recommends.
-            with self._autocast():
+            with self._autocast(), profiling.mark("ddptrain.forward"):
                 loss = self.training_step(self.model, batch)
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss)
@@ -247,7 +268,8 @@ class Trainer:
                     "with .mean() (or .sum() / batch size)"
                 )
             scaled = loss / micro
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            with profiling.mark("ddptrain.backward"):
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         self.sampler.mark_consumed(1)
         return scaled.detach().float()
 
@@ -300,7 +322,7 @@ class Trainer:
         if self.step % cfg.log_every_steps != 0 and self.step != self.total_steps:
             return
         steps_in_window = (self.step - 1) % cfg.log_every_steps + 1
-        progress.last_loss, samples_per_s = progress.window.report(steps_in_window)
+        progress.last_loss, samples_per_s, split = progress.window.report(steps_in_window)
         record = {
             "step": self.step,
             "epoch": self.epoch,
@@ -308,6 +330,7 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             "samples_per_s": samples_per_s,
             "time_s": time.perf_counter() - progress.start,
+            **split,
         }
         self._bar.update(self.step, record)
         if self._log:
@@ -364,7 +387,10 @@ class Trainer:
             )
             print0(f"step {self.step} epoch {self.epoch}: {shown}")
             if self._log:
-                self._log.write({"step": self.step, "epoch": self.epoch, **metrics})
+                time_s = time.perf_counter() - self._progress.start
+                self._log.write(
+                    {"step": self.step, "epoch": self.epoch, **metrics, "time_s": time_s}
+                )
         return metrics
 
     # ----------------------------------------------------------------------- output
@@ -393,11 +419,31 @@ class Trainer:
         # A resumed run never re-saves the step it resumed from (that file exists).
         saved_at = self.step if resumed else -1
         self._progress = _Progress(LossWindow(info.device), self.step, saved_at)
-        self._log = MetricsLog(cfg.log_dir) if info.is_main and cfg.log_dir else None
+        self._log = open_logs(cfg.loggers, cfg.log_dir) if info.is_main and cfg.log_dir else None
+        if self._log:
+            self._log.write(self._start_record())
         enabled = info.is_main and _want_bar(cfg)
         self._bar = ProgressBar(self.total_steps, self.step, enabled=enabled)
+        trace_dir = cfg.log_dir or cfg.checkpoint_dir
+        self._tracer = profiling.StepTracer(cfg.profile_steps, trace_dir, info.rank)
+
+    def _start_record(self) -> dict[str, Any]:
+        """The run's first log record: what a plot's legend needs to tell runs apart."""
+        cfg, info = self.config, self.info
+        return {
+            "event": "start",
+            "step": self.step,
+            "time_s": 0.0,
+            "world_size": info.world_size,
+            "backend": info.backend,
+            "precision": cfg.precision,
+            "comm_hook": cfg.comm_hook,
+            "global_batch_size": cfg.global_batch_size,
+            "grad_accum_steps": cfg.grad_accum_steps,
+        }
 
     def _close_logs(self) -> None:
+        self._tracer.close()
         self._bar.close()
         if self._log:
             self._log.close()
