@@ -25,6 +25,9 @@ Common flags:
     --comm-hook {default,allreduce,bf16,ring,..} (how gradients are reduced)
     --zero-stage 1 (shard the optimizer state across ranks: ZeRO stage 1)
     --batchnorm (LeNet with BatchNorm)   --sync-batchnorm (its statistics over all ranks)
+    --log-dir runs/x (metrics.jsonl; then: python -m ddptrain.plot runs/x -o curves.png)
+    --profile-steps 20:22 (Chrome traces of steps 20-22 per rank into --log-dir)   --tensorboard
+    --model mlp (the benchmark's 16.8M-parameter MLP instead of LeNet)
 
 The last line printed is a summary:
     FINAL dataset=mnist test_accuracy=0.99.. epochs=8 steps=3752 wall_s=.. samples_per_s=..
@@ -41,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import ddptrain
+from ddptrain.bench.steps import MLP
 from ddptrain.cli import ArgumentParser, non_negative, positive, run_alike, run_main
 from ddptrain.data.idx import (
     DEBIAN_FASHION_MNIST,
@@ -62,6 +66,8 @@ class MNISTTrainer(Trainer):
         self.args = args
 
     def build_model(self) -> torch.nn.Module:
+        if self.args.model == "mlp":
+            return torch.nn.Sequential(MLP(), torch.nn.LogSoftmax(dim=1))
         batchnorm = self.args.batchnorm or self.args.sync_batchnorm
         return LeNet(dropout=self.args.dropout, width=self.args.width, batchnorm=batchnorm)
 
@@ -151,7 +157,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-acc", type=float, default=None)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="tracebacks for errors (DDPTRAIN_DEBUG=1)")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--profile-steps",
+        nargs="+",
+        default=None,
+        metavar="A[:B]",
+        help="trace optimizer steps A..B (A:B or A B) per rank into --log-dir",
+    )
+    p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard")
+    p.add_argument(
+        "--eval-every-steps", type=positive(int), default=None, help="default: each epoch"
+    )
+    # The benchmark's 16.8M-parameter MLP: little compute per gradient byte, so communication
+    # shows in a timeline.
+    p.add_argument("--model", choices=["lenet", "mlp"], default="lenet")
+    args = p.parse_args(argv)
+    args.profile_steps = _step_range(p, args.profile_steps)
+    return args
+
+
+def _step_range(p: argparse.ArgumentParser, values: list[str] | None) -> tuple[int, int] | None:
+    if values is None:
+        return None
+    parts = [v for value in values for v in value.split(":")]
+    try:
+        steps = [int(v) for v in parts]
+    except ValueError:
+        steps = []
+    if len(steps) not in (1, 2):
+        p.error(f"--profile-steps {' '.join(values)}: use A:B or A B (optimizer steps), e.g. 20:22")
+    return steps[0], steps[-1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         resume=args.resume,
         log_dir=args.log_dir,
         log_every_steps=5 if args.dry_run else 50,
+        eval_every_steps=args.eval_every_steps,
         progress_bar=False if args.no_progress else None,
         best_metric="eval_accuracy",
+        profile_steps=args.profile_steps,
+        loggers=("jsonl", "tensorboard") if args.tensorboard else ("jsonl",),
     )
     trainer = MNISTTrainer(config, args)
     summary = trainer.fit()
