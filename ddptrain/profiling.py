@@ -78,15 +78,18 @@ def trace_path(directory: str | os.PathLike, rank: int) -> Path:
 class StepTracer:
     """Profiles optimizer steps first..last (numbered from 1, as in the log) on every rank."""
 
-    def __init__(self, steps: tuple[int, int] | None, directory: str | os.PathLike, rank: int):
+    def __init__(
+        self, steps: tuple[int, int] | None, directory: str | os.PathLike | None, rank: int
+    ):
         self.steps = steps
-        self.path = trace_path(directory, rank)
+        # No directory only when nothing is profiled (TrainerConfig refuses the rest).
+        self.path = trace_path(directory, rank) if directory is not None else None
         self._prof: profile | None = None
         self._was_active = False
 
     def before_step(self, step: int) -> None:
         """Start profiling if `step` (about to run) is the first profiled step."""
-        if self.steps is None or step != self.steps[0]:
+        if self.steps is None or self.path is None or step != self.steps[0]:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         global active
