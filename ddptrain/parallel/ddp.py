@@ -130,7 +130,8 @@ class DistributedDataParallel(nn.Module):
         ]
         self._sync = True
         self._scratch = torch.empty(0)
-        self._step = _StepState(len(self._params), self._bucket_lens)
+        self._step = _StepState(len(self._params), self._bucket_lens, self.world_size)
+        self._join: Any = None
         # Seconds the last synchronized backward waited for its buckets after autograd was
         # done: the communication that overlap did not hide (the Trainer logs it as comm_s).
         self.last_comm_wait_s = 0.0
@@ -196,9 +197,12 @@ class DistributedDataParallel(nn.Module):
                 "never be averaged. Add every parameter before wrapping with "
                 "DistributedDataParallel"
             )
+        buffer_src = 0
+        if self._join is not None:
+            buffer_src, self._step.divisor = self._join.on_forward()
         if self.broadcast_buffers and self.world_size > 1 and self._buffers_list:
             with torch.no_grad():
-                broadcast_coalesced(self._buffer_chunks, self.process_group)
+                broadcast_coalesced(self._buffer_chunks, self.process_group, buffer_src)
         if torch.is_grad_enabled() and self._sync:
             self._step.armed = True
         return self.module(*args, **kwargs)
@@ -217,6 +221,23 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self._sync = previous
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Any:
+        """Context manager for ranks with different numbers of batches (see parallel/join.py)."""
+        # Imported here: join.py builds on this module's helpers.
+        from ddptrain.parallel.join import Join
+
+        return Join(
+            self,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+        )
 
     # ----------------------------------------------------------------------------- backward
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -256,14 +277,15 @@ class DistributedDataParallel(nn.Module):
 
     def _fill_view(self, index: int, grad: torch.Tensor | None) -> None:
         view = self._views[index]
+        divisor = self._step.divisor
         if grad is None:
             view.zero_()
         elif grad.data_ptr() == view.data_ptr():
-            if self.world_size != 1:
-                view.div_(self.world_size)
+            if divisor != 1:
+                view.div_(divisor)
         elif view.dtype == grad.dtype:
             # Scaling while copying, as the official reducer does: one pass over the gradient.
-            torch.mul(grad, 1.0 / self.world_size, out=view)
+            torch.mul(grad, 1.0 / divisor, out=view)
         else:
             # A hook's narrower wire dtype (bf16): scale in the gradient's dtype through a
             # cache-sized scratch, then cast, so memory is crossed once. On CPU a mixed-dtype
@@ -271,7 +293,7 @@ class DistributedDataParallel(nn.Module):
             # pass (68 MB fp32 -> bf16, one thread: 49 / 18.5 / 14 ms).
             if self._scratch.dtype != grad.dtype:
                 self._scratch = torch.empty(_CAST_CHUNK, dtype=grad.dtype, device=grad.device)
-            scale = 1.0 / self.world_size
+            scale = 1.0 / divisor
             pieces = zip(
                 grad.reshape(-1).split(_CAST_CHUNK), view.view(-1).split(_CAST_CHUNK), strict=True
             )
@@ -325,7 +347,7 @@ class DistributedDataParallel(nn.Module):
                 else:
                     p.grad.copy_(view)
         finally:
-            self._step = _StepState(len(self._params), self._bucket_lens)
+            self._step = _StepState(len(self._params), self._bucket_lens, self.world_size)
 
     def _rebuild_in_ready_order(self) -> None:
         """Rebuild buckets in the gradient-ready order rank 0 observed on the first backward."""
@@ -358,10 +380,21 @@ DDP = DistributedDataParallel
 class _StepState:
     """What one synchronized backward tracks."""
 
-    __slots__ = ("armed", "callback_queued", "next_bucket", "pending", "ready", "used", "works")
+    __slots__ = (
+        "armed",
+        "callback_queued",
+        "divisor",
+        "next_bucket",
+        "pending",
+        "ready",
+        "used",
+        "works",
+    )
 
-    def __init__(self, n_params: int, bucket_lens: list[int]) -> None:
+    def __init__(self, n_params: int, bucket_lens: list[int], divisor: int) -> None:
         self.armed = False
+        # Gradients are scaled by 1/divisor: world_size, or under join() the ranks still training.
+        self.divisor = divisor
         self.callback_queued = False
         self.next_bucket = 0
         self.pending = list(bucket_lens)

@@ -1,0 +1,176 @@
+"""Uneven inputs: a rank that runs out of batches keeps answering the others' collectives.
+
+    model = ddptrain.DDP(net)
+    with model.join():                            # loaders may differ in length across ranks
+        for x, y in loader:
+            loss_fn(model(x), y).backward()       # sum over ranks still training / world_size
+            optimizer.step()
+            optimizer.zero_grad()
+    # every rank gets here; parameters (and buffers) are those of the last rank to finish
+
+    with model.join(divide_by_initial_world_size=False):   # divide by the ranks still training
+    with model.join(throw_on_early_termination=True):      # every rank raises EarlyTerminationError
+
+How it works (the semantics of torch's `DistributedDataParallel.join`, written for this
+wrapper): while the context is active, every forward starts with one small all_reduce of a
+vector with one entry per rank, nonzero for a rank still training, with flags saying whether
+its backward will reduce gradients. A rank that runs out leaves its loop and, in `__exit__`,
+answers the same all_reduce with zeros, then shadows what the entries say the others do: the
+buffer broadcast, and, when they reduce gradients, every bucket's reduction with zero
+gradients through the wrapper's comm hook (so shared-memory barriers, ring messages and casts
+match) and the one-time bucket rebuild. Under `no_sync()` the others reduce nothing, so
+neither does it. When the vector is all zeros every rank is done; the model is broadcast
+from the highest rank among the last to finish, since ranks that joined early skipped steps.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ddptrain.parallel.ddp import _StepState
+from ddptrain.parallel.replicas import broadcast_coalesced, coalesce
+
+if TYPE_CHECKING:
+    from ddptrain.parallel.ddp import DistributedDataParallel
+
+# Flags in a rank's entry of the per-forward vector; 0 means the rank has joined (run out).
+_ACTIVE = 1
+_REDUCES_GRADIENTS = 2  # grad enabled and not under no_sync(): its backward launches buckets
+
+
+class EarlyTerminationError(RuntimeError):
+    """Raised on every rank by `join(throw_on_early_termination=True)` when one runs out."""
+
+
+class Join:
+    """What `DistributedDataParallel.join()` returns; see the module docstring.
+
+    Invariants:
+    - While active, every rank runs the same sequence of collectives: a rank still training
+      runs them in forward and backward, a joined rank runs the same ones from `__exit__`.
+    - Each forward inside the context is followed by at most one backward, and by exactly one
+      when grad is enabled outside `no_sync()` (a joined rank shadows that backward).
+    - Gradients reduced while some ranks have joined are the sum over ranks still training,
+      divided by the initial world size (default) or by the number still training.
+    - After `__exit__` every rank holds the same parameters (and buffers, when the wrapper
+      broadcasts buffers): those of the highest-ranked rank among the last to finish. Optimizer
+      state is not synchronized: a joined rank's optimizer skipped the steps it missed.
+    """
+
+    def __init__(
+        self,
+        ddp: DistributedDataParallel,
+        *,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> None:
+        self.ddp = ddp
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+        self.enable = enable
+        self.throw_on_early_termination = throw_on_early_termination
+        self.group = ddp.process_group
+        self.world_size = ddp.world_size
+        self.rank = dist.get_rank(self.group)
+        first = next(iter(ddp.module.parameters()), None)
+        self._device = first.device if first is not None else torch.device("cpu")
+        # Every rank takes part in every exchange, so all see the same sequence of vectors.
+        self._last_states: list[int] | None = None
+        self.authoritative_rank: int | None = None
+
+    def __enter__(self) -> Join:
+        if self.enable:
+            if self.ddp._join is not None:
+                raise RuntimeError("model.join() contexts cannot be nested")
+            self.ddp._join = self
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if not self.enable:
+            return
+        self.ddp._join = None
+        if exc_type is not None:
+            return
+        self._shadow_until_all_done()
+        self._sync_final_model()
+
+    def on_forward(self) -> tuple[int, int]:
+        """Called by the wrapper as a forward starts: (buffer source rank, gradient divisor)."""
+        ddp = self.ddp
+        flags = _ACTIVE
+        if torch.is_grad_enabled() and ddp._sync:
+            flags |= _REDUCES_GRADIENTS
+        states = self._exchange(flags)
+        self._maybe_throw(states)
+        active = [r for r, s in enumerate(states) if s]
+        divisor = self.world_size if self.divide_by_initial_world_size else len(active)
+        # Rank 0 may have joined with stale buffers: take them from a rank still training.
+        return active[-1], divisor
+
+    def _exchange(self, flags: int) -> list[int]:
+        states = torch.zeros(self.world_size, dtype=torch.int64, device=self._device)
+        states[self.rank] = flags
+        dist.all_reduce(states, group=self.group)
+        result = states.tolist()
+        if any(result):
+            self._last_states = result
+        return result
+
+    def _maybe_throw(self, states: list[int]) -> None:
+        if not self.throw_on_early_termination or all(states):
+            return
+        done = [r for r, s in enumerate(states) if not s]
+        raise EarlyTerminationError(
+            f"rank(s) {done} ran out of inputs while others still had batches; "
+            "join(throw_on_early_termination=True) stops every rank at the same step"
+        )
+
+    def _shadow_until_all_done(self) -> None:
+        ddp = self.ddp
+        # Whatever this rank accumulated under no_sync() is dropped: a joined rank adds zeros.
+        ddp._step = _StepState(len(ddp._params), ddp._bucket_lens, self.world_size)
+        while True:
+            states = self._exchange(0)
+            if not any(states):
+                return
+            self._maybe_throw(states)
+            active = [r for r, s in enumerate(states) if s]
+            if ddp.broadcast_buffers and self.world_size > 1 and ddp._buffers_list:
+                with torch.no_grad():
+                    broadcast_coalesced(ddp._buffer_chunks, self.group, active[-1])
+            if any(s & _REDUCES_GRADIENTS for s in states):
+                _shadow_backward(ddp)
+
+    def _sync_final_model(self) -> None:
+        last = self._last_states
+        # No forward ran anywhere: every rank finished "last", as torch breaks ties (highest).
+        src = self.world_size - 1 if last is None else max(r for r, s in enumerate(last) if s)
+        self.authoritative_rank = src
+        ddp = self.ddp
+        tensors = [p.detach() for _, p in ddp._named_params]
+        if ddp.broadcast_buffers:
+            tensors += ddp._buffers_list
+        with torch.no_grad():
+            broadcast_coalesced(coalesce(tensors), self.group, src)
+
+
+def _shadow_backward(ddp: DistributedDataParallel) -> None:
+    """Run one synchronized backward's collectives with zero gradients and no parameter used."""
+    with torch.no_grad():
+        for bucket in ddp._buckets:
+            bucket.zero_()
+        # Launched in bucket order, as every rank still training launches them.
+        works = [ddp.comm_hook(bucket, ddp.process_group) for bucket in ddp._buckets]
+        for work in works:
+            work.wait()
+    if ddp._ready_order is not None:
+        ddp._rebuild_in_ready_order()
