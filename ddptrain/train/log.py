@@ -165,13 +165,16 @@ def describe_run(
 ) -> str:
     """The one-line summary of a run that fit() prints before its first step."""
     buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
+    per_rank = cfg.micro_global_batch_size // info.world_size
+    # No sampler: each rank reads its own part of an IterableDataset (train/uneven.py).
+    epoch = f"{sampler.batches_per_epoch} micro-batches" if sampler else "uneven per-rank parts"
     return (
         f"ddptrain: launcher={info.launcher} world_size={info.world_size} "
         f"backend={info.backend} "
         f"device={info.device} | global_batch_size={cfg.global_batch_size} = "
-        f"{info.world_size} ranks x {sampler.per_rank_batch_size} per rank x "
+        f"{info.world_size} ranks x {per_rank} per rank x "
         f"{cfg.grad_accum_steps} accumulation step(s) | {total_steps} optimizer steps "
-        f"({cfg.epochs} epoch(s) of {sampler.batches_per_epoch} micro-batches"
+        f"({cfg.epochs} epoch(s) of {epoch}"
         f"{'' if resumed_at is None else f', resumed at step {resumed_at}'}) | "
         f"precision={cfg.precision} | buckets (MiB, launch order)=[{buckets}]"
     )

@@ -81,7 +81,7 @@ def apply_resume_state(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     scaler: torch.amp.GradScaler | None,
-    sampler: ShardedSampler,
+    sampler: ShardedSampler | None,
 ) -> tuple[int, int]:
     """Load the optimizer, schedule, scaler, sampler and RNG states; return (step, epoch)."""
     # Popped: the whole optimizer state would otherwise stay alive on every rank all run long,
@@ -91,7 +91,8 @@ def apply_resume_state(
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
-    sampler.load_state_dict(state["sampler"])
+    if sampler is not None:  # None: per-rank parts of an IterableDataset (train/uneven.py)
+        sampler.load_state_dict(state["sampler"])
     step, epoch = int(state["step"]), int(state["epoch"])
     rng = state.get("rng") or []
     if len(rng) == info.world_size:
@@ -109,7 +110,7 @@ def save_training_state(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     scaler: torch.amp.GradScaler | None,
-    sampler: ShardedSampler,
+    sampler: ShardedSampler | None,
     *,
     step: int,
     epoch: int,
@@ -127,7 +128,7 @@ def save_training_state(
             "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
-            "sampler": sampler.state_dict(),
+            "sampler": sampler.state_dict() if sampler is not None else None,
             "rng": rng,
             "config": asdict(cfg),
             "world_size": info.world_size,

@@ -43,7 +43,7 @@ from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
 from ddptrain.parallel.ddp import DistributedDataParallel
 from ddptrain.parallel.sync_batchnorm import convert_sync_batchnorm
 from ddptrain.parallel.zero import ZeroRedundancyOptimizer
-from ddptrain.train import health, resume
+from ddptrain.train import health, resume, uneven
 from ddptrain.train.config import ConfigError, TrainerConfig
 from ddptrain.train.evaluation import evaluate, move_to
 from ddptrain.train.health import Heartbeat, NonFiniteError
@@ -118,8 +118,14 @@ class Trainer:
         resume_state = self._read_checkpoint(module)
         # 4. Wrap: rank 0's weights reach every rank.
         self.model = self._wrap_model(module)
-        self.sampler = self._build_sampler(len(train_set))
-        self.total_steps = self._total_steps(self.sampler)
+        # Per-rank parts of different lengths (an IterableDataset) train under model.join().
+        if uneven.is_uneven(train_set):
+            uneven.check_supported(cfg)
+            self.sampler = None
+            self.total_steps = uneven.total_steps(self, train_set)
+        else:
+            self.sampler = self._build_sampler(len(train_set))
+            self.total_steps = self._total_steps(self.sampler)
         # 5. Optimizer (after total_steps, which schedules read).
         self.optimizer, self.scheduler = self._build_optimizer(module)
         self.scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
@@ -145,6 +151,8 @@ class Trainer:
     # ----------------------------------------------------------------------- building
     def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
         train_set, eval_set = self.build_datasets()
+        if uneven.is_uneven(train_set):
+            return train_set, eval_set
         if len(train_set) == 0:
             raise ValueError(
                 "the training dataset is empty; build_datasets() returned 0 samples: check the "
@@ -188,6 +196,8 @@ class Trainer:
         return optimizer, scheduler
 
     def _build_loader(self, train_set: Dataset) -> DataLoader:
+        if self.sampler is None:
+            return uneven.build_loader(self, train_set)
         return DataLoader(
             train_set,
             batch_size=self.sampler.per_rank_batch_size,
@@ -201,6 +211,8 @@ class Trainer:
 
     # ----------------------------------------------------------------------- the loop
     def _train(self, loader: DataLoader, eval_set: Dataset | None) -> None:
+        if self.sampler is None:
+            return uneven.train(self, loader, eval_set)
         while self.step < self.total_steps:
             self.sampler.set_epoch(self.epoch)
             batches = iter(loader)
@@ -270,7 +282,8 @@ class Trainer:
             scaled = loss / micro
             with profiling.mark("ddptrain.backward"):
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-        self.sampler.mark_consumed(1)
+        if self.sampler is not None:
+            self.sampler.mark_consumed(1)
         return scaled.detach().float()
 
     def _optimizer_step(self, local_loss: torch.Tensor) -> bool:

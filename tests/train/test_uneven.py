@@ -1,0 +1,93 @@
+"""Trainer on per-rank data parts of different lengths (an IterableDataset) through join."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import IterableDataset
+
+import ddptrain
+from ddptrain.train.config import TrainerConfig
+from toy_models import N_EVAL, ToyTrainer
+
+BATCH = 8  # global: 4 per rank at world size 2
+
+
+def _part_len(rank: int) -> int:
+    return 16 + 8 * rank
+
+
+class _RankPart(IterableDataset):
+    """Rank r's part of the toy problem: 16 + 8 r samples, so ranks run out at different steps."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        rank = dist.get_rank()
+        start = sum(_part_len(r) for r in range(rank))
+        self.x, self.y = x[start : start + _part_len(rank)], y[start : start + _part_len(rank)]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __iter__(self):
+        yield from zip(self.x, self.y, strict=True)
+
+
+class _UnevenTrainer(ToyTrainer):
+    def build_datasets(self):
+        train_set, eval_set = super().build_datasets()
+        return _RankPart(*train_set.tensors), eval_set
+
+
+def _fit(config: TrainerConfig) -> dict:
+    trainer = _UnevenTrainer(config)
+    summary = trainer.fit()
+    momentum = [s["momentum_buffer"] for s in trainer.optimizer.state.values()]
+    return {
+        "summary": summary,
+        "params": torch.cat([p.detach().reshape(-1) for p in trainer.model.module.parameters()]),
+        "momentum": torch.cat([m.reshape(-1) for m in momentum]),
+        "lr": trainer.optimizer.param_groups[0]["lr"],
+    }
+
+
+def _run_uneven(config: TrainerConfig, root: str) -> dict:
+    ddptrain.init_distributed()  # one group for the three fits below
+    straight = _fit(
+        replace(config, checkpoint_dir=f"{root}/straight", log_dir=f"{root}/straight-logs")
+    )
+    halfway = replace(config, checkpoint_dir=f"{root}/halfway")
+    _fit(replace(halfway, epochs=1))
+    resumed = _fit(replace(halfway, resume="auto"))
+    return {"straight": straight, "resumed": resumed}
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_uneven_parts_train_to_the_end_on_every_rank(tmp_path, world_size):
+    """Parts of 16/24(/32) samples: every rank finishes each epoch, replicas and optimizers agree,
+    the step count is the longest part's, and resuming from an epoch's end continues exactly."""
+    cfg = TrainerConfig(
+        global_batch_size=BATCH // 2 * world_size,
+        epochs=3,
+        keep_last=10,
+        check_replicas_every=1,
+        progress_bar=False,
+    )
+    results = ddptrain.spawn(_run_uneven, world_size, cfg, str(tmp_path), timeout_s=240)
+    longest = _part_len(world_size - 1) // 4  # 4 samples per rank and step
+    for r in results:
+        straight = r["straight"]
+        assert straight["summary"]["step"] == 3 * longest
+        assert straight["summary"]["epoch"] == 3
+        assert straight["summary"]["eval"]["eval_samples"] == N_EVAL
+        for key in ("params", "momentum"):
+            assert torch.equal(straight[key], results[0]["straight"][key]), key
+            assert torch.equal(r["resumed"][key], straight[key]), key
+        assert r["resumed"]["lr"] == straight["lr"]
+    records = [json.loads(line) for line in open(tmp_path / "straight-logs" / "metrics.jsonl")]
+    losses = [r["loss"] for r in records if "loss" in r]
+    print("epoch losses:", losses)
+    assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], losses
