@@ -10,6 +10,9 @@
         loss_fn(model(x1), y1).backward()            # local only
     loss_fn(model(x2), y2).backward()                # reduces the accumulated sum
 
+    with model.join():                               # ranks with different numbers of batches
+        ...                                          # (parallel/join.py)
+
 How it works: gradients are packed into flat per-dtype/device buckets. A hook on each parameter
 fires when its gradient is accumulated; it copies the gradient (scaled by 1/world_size) into
 its bucket slot, and once a bucket is full its all_reduce is launched asynchronously while
