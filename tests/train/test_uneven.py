@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 import ddptrain
+from ddptrain.train import uneven
 from ddptrain.train.config import TrainerConfig
 from toy_models import N_EVAL, ToyTrainer
 
@@ -91,3 +92,10 @@ def test_uneven_parts_train_to_the_end_on_every_rank(tmp_path, world_size):
     losses = [r["loss"] for r in records if "loss" in r]
     print("epoch losses:", losses)
     assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], losses
+
+
+def test_zero_stage_with_uneven_parts_is_refused_with_the_fix():
+    """ZeRO's collective optimizer step cannot be shadowed by a joined rank: a clear refusal."""
+    with pytest.raises(ValueError, match="zero_stage=1 with an IterableDataset.*Use zero_stage=0"):
+        uneven.check_supported(TrainerConfig(global_batch_size=8, zero_stage=1))
+    uneven.check_supported(TrainerConfig(global_batch_size=8))
