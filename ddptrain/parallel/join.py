@@ -31,8 +31,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ddptrain.parallel import sync_batchnorm
+from ddptrain.parallel.comm import CastHook, RingHook
 from ddptrain.parallel.ddp import _StepState
 from ddptrain.parallel.replicas import broadcast_coalesced, coalesce
+from ddptrain.parallel.shm import SharedMemoryHook
 
 if TYPE_CHECKING:
     from ddptrain.parallel.ddp import DistributedDataParallel
@@ -40,6 +43,8 @@ if TYPE_CHECKING:
 # Flags in a rank's entry of the per-forward vector; 0 means the rank has joined (run out).
 _ACTIVE = 1
 _REDUCES_GRADIENTS = 2  # grad enabled and not under no_sync(): its backward launches buckets
+_BACKWARD = 4  # grad enabled: a backward follows (SyncBatchNorm reduces in it, even in no_sync)
+_TRAINING = 8  # the module is in training mode: SyncBatchNorm gathers statistics in forward
 
 
 class EarlyTerminationError(RuntimeError):
@@ -78,6 +83,11 @@ class Join:
         self.rank = dist.get_rank(self.group)
         first = next(iter(ddp.module.parameters()), None)
         self._device = first.device if first is not None else torch.device("cpu")
+        # Shadowed in registration order forward, reverse in backward: the order they run in
+        # for a network that calls each once, in the order it defines them.
+        self._sync_bns = [
+            m for m in ddp.module.modules() if isinstance(m, sync_batchnorm.SyncBatchNorm)
+        ]
         # Every rank takes part in every exchange, so all see the same sequence of vectors.
         self._last_states: list[int] | None = None
         self.authoritative_rank: int | None = None
@@ -86,6 +96,7 @@ class Join:
         if self.enable:
             if self.ddp._join is not None:
                 raise RuntimeError("model.join() contexts cannot be nested")
+            _check_sync_bn_groups(self.ddp, self._sync_bns)
             self.ddp._join = self
         return self
 
@@ -107,8 +118,10 @@ class Join:
         """Called by the wrapper as a forward starts: (buffer source rank, gradient divisor)."""
         ddp = self.ddp
         flags = _ACTIVE
-        if torch.is_grad_enabled() and ddp._sync:
-            flags |= _REDUCES_GRADIENTS
+        if torch.is_grad_enabled():
+            flags |= _BACKWARD | (_REDUCES_GRADIENTS if ddp._sync else 0)
+        if ddp.module.training:
+            flags |= _TRAINING
         states = self._exchange(flags)
         self._maybe_throw(states)
         active = [r for r, s in enumerate(states) if s]
@@ -147,6 +160,12 @@ class Join:
             if ddp.broadcast_buffers and self.world_size > 1 and ddp._buffers_list:
                 with torch.no_grad():
                     broadcast_coalesced(ddp._buffer_chunks, self.group, active[-1])
+            if self._sync_bns and any(s & _TRAINING for s in states):
+                for layer in self._sync_bns:
+                    sync_batchnorm.shadow_forward(layer)
+                if any(s & _BACKWARD for s in states):
+                    for layer in reversed(self._sync_bns):
+                        sync_batchnorm.shadow_backward(layer)
             if any(s & _REDUCES_GRADIENTS for s in states):
                 _shadow_backward(ddp)
 
@@ -161,6 +180,34 @@ class Join:
             tensors += ddp._buffers_list
         with torch.no_grad():
             broadcast_coalesced(coalesce(tensors), self.group, src)
+
+
+def _check_sync_bn_groups(ddp: DistributedDataParallel, layers: list) -> None:
+    """Refuse SyncBatchNorm on the group the comm hook reduces buckets on.
+
+    There, a rank still training interleaves bucket reductions with SyncBatchNorm's backward
+    reductions in the order autograd happens to produce, which a joined rank cannot know; on
+    separate groups each sequence is matched on its own.
+    """
+    if not layers or not _reduces_on_group(ddp.comm_hook):
+        return
+    world = dist.group.WORLD
+    mine = ddp.process_group or world
+    if any((layer.process_group or world) == mine for layer in layers):
+        raise ValueError(
+            "model.join() with SyncBatchNorm on the process group the comm hook reduces on "
+            "would pair their collectives wrongly; give SyncBatchNorm its own group: "
+            "convert_sync_batchnorm(model, process_group=torch.distributed.new_group())"
+        )
+
+
+def _reduces_on_group(hook: object) -> bool:
+    """Whether a hook reduces buckets with collectives on the wrapper's process group."""
+    if isinstance(hook, (SharedMemoryHook, RingHook)):
+        return False  # shared-memory barriers, or a group of its own
+    if isinstance(hook, CastHook):
+        return hook.inner is None or _reduces_on_group(hook.inner)
+    return True
 
 
 def _shadow_backward(ddp: DistributedDataParallel) -> None:

@@ -172,7 +172,10 @@ class Trainer:
 
     def _wrap_model(self, module: nn.Module) -> DistributedDataParallel:
         cfg = self.config
-        module = convert_sync_batchnorm(module) if cfg.sync_batchnorm else module
+        if cfg.sync_batchnorm:
+            # Its own group: under join (uneven data) its reductions must not interleave with
+            # the comm hook's on the wrapper's group in an order a joined rank cannot know.
+            module = convert_sync_batchnorm(module, dist.new_group())
         return DistributedDataParallel(
             module, bucket_cap_mb=cfg.bucket_cap_mb, comm_hook=cfg.resolve_comm_hook()
         )

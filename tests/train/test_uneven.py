@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import IterableDataset
 
 import ddptrain
@@ -38,13 +39,22 @@ class _RankPart(IterableDataset):
 
 
 class _UnevenTrainer(ToyTrainer):
+    def __init__(self, config: TrainerConfig, batchnorm: bool = False) -> None:
+        super().__init__(config)
+        self.batchnorm = batchnorm
+
+    def build_model(self):
+        if not self.batchnorm:
+            return super().build_model()
+        return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))
+
     def build_datasets(self):
         train_set, eval_set = super().build_datasets()
         return _RankPart(*train_set.tensors), eval_set
 
 
-def _fit(config: TrainerConfig) -> dict:
-    trainer = _UnevenTrainer(config)
+def _fit(config: TrainerConfig, batchnorm: bool = False) -> dict:
+    trainer = _UnevenTrainer(config, batchnorm)
     summary = trainer.fit()
     momentum = [s["momentum_buffer"] for s in trainer.optimizer.state.values()]
     return {
@@ -63,13 +73,16 @@ def _run_uneven(config: TrainerConfig, root: str) -> dict:
     halfway = replace(config, checkpoint_dir=f"{root}/halfway")
     _fit(replace(halfway, epochs=1))
     resumed = _fit(replace(halfway, resume="auto"))
-    return {"straight": straight, "resumed": resumed}
+    # SyncBatchNorm with the backend all_reduce hook: the Trainer gives it its own group.
+    sbn = _fit(replace(config, sync_batchnorm=True, comm_hook="allreduce"), batchnorm=True)
+    return {"straight": straight, "resumed": resumed, "sbn": sbn}
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_uneven_parts_train_to_the_end_on_every_rank(tmp_path, world_size):
     """Parts of 16/24(/32) samples: every rank finishes each epoch, replicas and optimizers agree,
-    the step count is the longest part's, and resuming from an epoch's end continues exactly."""
+    the step count is the longest part's, resuming from an epoch's end continues exactly, and
+    SyncBatchNorm with the all_reduce hook trains through join too."""
     cfg = TrainerConfig(
         global_batch_size=BATCH // 2 * world_size,
         epochs=3,
@@ -88,6 +101,8 @@ def test_uneven_parts_train_to_the_end_on_every_rank(tmp_path, world_size):
             assert torch.equal(straight[key], results[0]["straight"][key]), key
             assert torch.equal(r["resumed"][key], straight[key]), key
         assert r["resumed"]["lr"] == straight["lr"]
+        assert r["sbn"]["summary"]["step"] == 3 * longest
+        assert torch.equal(r["sbn"]["params"], results[0]["sbn"]["params"])
     records = [json.loads(line) for line in open(tmp_path / "straight-logs" / "metrics.jsonl")]
     losses = [r["loss"] for r in records if "loss" in r]
     print("epoch losses:", losses)
