@@ -38,13 +38,9 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddptrain import profiling
-from ddptrain.data import ShardedSampler
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
-from ddptrain.parallel.ddp import DistributedDataParallel
-from ddptrain.parallel.sync_batchnorm import convert_sync_batchnorm
-from ddptrain.parallel.zero import ZeroRedundancyOptimizer
-from ddptrain.train import health, resume, uneven
-from ddptrain.train.config import ConfigError, TrainerConfig
+from ddptrain.train import build, health, resume, uneven
+from ddptrain.train.config import TrainerConfig
 from ddptrain.train.evaluation import evaluate, move_to
 from ddptrain.train.health import Heartbeat, NonFiniteError
 from ddptrain.train.log import LossWindow, ProgressBar, describe_run, open_logs
@@ -112,22 +108,22 @@ class Trainer:
         cfg.check_world_size(info.world_size)
         torch.manual_seed(cfg.seed)
         # 2. Data.
-        train_set, eval_set = self._build_datasets()
+        train_set, eval_set = build.check_datasets(cfg, *self.build_datasets())
         # 3. Model; on resume rank 0 loads the checkpoint's weights into it here.
         module = self.build_model().to(info.device)
         resume_state = self._read_checkpoint(module)
         # 4. Wrap: rank 0's weights reach every rank.
-        self.model = self._wrap_model(module)
+        self.model = build.wrap_model(cfg, module)
         # Per-rank parts of different lengths (an IterableDataset) train under model.join().
         if uneven.is_uneven(train_set):
             uneven.check_supported(cfg)
             self.sampler = None
             self.total_steps = uneven.total_steps(self, train_set)
         else:
-            self.sampler = self._build_sampler(len(train_set))
-            self.total_steps = self._total_steps(self.sampler)
+            self.sampler = build.sampler(cfg, len(train_set))
+            self.total_steps = build.total_steps(cfg, self.sampler)
         # 5. Optimizer (after total_steps, which schedules read).
-        self.optimizer, self.scheduler = self._build_optimizer(module)
+        self.optimizer, self.scheduler = build.optimizer(cfg, self.configure_optimizers(module))
         self.scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
         # Each rank draws its own dropout masks, reproducibly.
         torch.manual_seed(cfg.seed + 1 + info.rank)
@@ -136,7 +132,10 @@ class Trainer:
             self.step, self.epoch = resume.apply_resume_state(
                 resume_state, cfg, info, self.optimizer, self.scheduler, self.scaler, self.sampler
             )
-        loader = self._build_loader(train_set)
+        if self.sampler is None:
+            loader = uneven.build_loader(self, train_set)
+        else:
+            loader = build.loader(cfg, info, self.sampler, train_set)
         resumed = resume_state is not None
         self._announce(resumed)
         # 7. Loop, then 8. a final evaluation and save.
@@ -149,68 +148,10 @@ class Trainer:
         return self._summary()
 
     # ----------------------------------------------------------------------- building
-    def _build_datasets(self) -> tuple[Dataset, Dataset | None]:
-        train_set, eval_set = self.build_datasets()
-        if uneven.is_uneven(train_set):
-            return train_set, eval_set
-        if len(train_set) == 0:
-            raise ValueError(
-                "the training dataset is empty; build_datasets() returned 0 samples: check the "
-                "data path and any filtering in build_datasets()"
-            )
-        if self.config.global_batch_size > len(train_set):
-            raise ConfigError(
-                f"global_batch_size {self.config.global_batch_size} is larger than the training "
-                f"set ({len(train_set)} samples); use global_batch_size <= {len(train_set)}"
-            )
-        return train_set, eval_set
-
     def _read_checkpoint(self, module: nn.Module) -> dict[str, Any] | None:
         if self.config.checkpoint_dir:
             resume.check_checkpoint_dir(self.config, self.info, module)
         return resume.read_resume_state(self.config, self.info, module)
-
-    def _wrap_model(self, module: nn.Module) -> DistributedDataParallel:
-        cfg = self.config
-        if cfg.sync_batchnorm:
-            # Its own group: under join (uneven data) its reductions must not interleave with
-            # the comm hook's on the wrapper's group in an order a joined rank cannot know.
-            module = convert_sync_batchnorm(module, dist.new_group())
-        return DistributedDataParallel(
-            module, bucket_cap_mb=cfg.bucket_cap_mb, comm_hook=cfg.resolve_comm_hook()
-        )
-
-    def _build_sampler(self, num_samples: int) -> ShardedSampler:
-        cfg = self.config
-        return ShardedSampler(
-            num_samples,
-            global_batch_size=cfg.micro_global_batch_size,
-            shuffle=cfg.shuffle,
-            seed=cfg.seed,
-            drop_last=cfg.drop_last,
-        )
-
-    def _build_optimizer(self, module: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
-        optimizer, scheduler = _split_optimizers(self.configure_optimizers(module))
-        if self.config.zero_stage == 1:
-            # The user's optimizer only describes the run (class, groups, hyperparameters);
-            # ZeRO shares its param_groups, so a scheduler built on it still sets the lr.
-            optimizer = ZeroRedundancyOptimizer.from_optimizer(optimizer)
-        return optimizer, scheduler
-
-    def _build_loader(self, train_set: Dataset) -> DataLoader:
-        if self.sampler is None:
-            return uneven.build_loader(self, train_set)
-        return DataLoader(
-            train_set,
-            batch_size=self.sampler.per_rank_batch_size,
-            sampler=self.sampler,
-            num_workers=self.config.num_workers,
-            pin_memory=self.info.device.type == "cuda",
-            # Its own generator: iter(loader) draws a worker seed, which must not consume the
-            # global RNG that dropout uses, or a resumed run would draw different masks.
-            generator=torch.Generator().manual_seed(self.config.seed),
-        )
 
     # ----------------------------------------------------------------------- the loop
     def _train(self, loader: DataLoader, eval_set: Dataset | None) -> None:
@@ -464,12 +405,6 @@ class Trainer:
         if self._log:
             self._log.close()
 
-    def _total_steps(self, sampler: ShardedSampler) -> int:
-        cfg = self.config
-        per_epoch = math.ceil(sampler.batches_per_epoch / cfg.grad_accum_steps)
-        by_epochs = per_epoch * cfg.epochs
-        return min(by_epochs, cfg.max_steps) if cfg.max_steps is not None else by_epochs
-
 
 @dataclass
 class _Progress:
@@ -482,17 +417,6 @@ class _Progress:
     metrics: dict[str, float] = field(default_factory=dict)
     last_loss: float = math.nan
     start: float = field(default_factory=time.perf_counter)
-
-
-def _split_optimizers(value: Any) -> tuple[torch.optim.Optimizer, Any]:
-    if isinstance(value, torch.optim.Optimizer):
-        return value, None
-    if isinstance(value, tuple) and len(value) == 2:
-        return value
-    raise TypeError(
-        "configure_optimizers must return an optimizer or (optimizer, lr_scheduler), "
-        f"got {type(value).__name__}"
-    )
 
 
 def _due(step: int, every_steps: int | None, epoch_done: bool) -> bool:

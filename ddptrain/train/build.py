@@ -1,0 +1,108 @@
+"""What Trainer.fit builds before the loop, as functions of the config: checks, wrapper, sampler,
+loader, optimizer pair, step count.
+
+    train_set, eval_set = build.check_datasets(cfg, *trainer.build_datasets())
+    model = build.wrap_model(cfg, module)
+    sampler = build.sampler(cfg, len(train_set))
+    loader = build.loader(cfg, info, sampler, train_set)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from ddptrain.data import ShardedSampler
+from ddptrain.dist import DistInfo
+from ddptrain.parallel.ddp import DistributedDataParallel
+from ddptrain.parallel.sync_batchnorm import convert_sync_batchnorm
+from ddptrain.parallel.zero import ZeroRedundancyOptimizer
+from ddptrain.train import uneven
+from ddptrain.train.config import ConfigError, TrainerConfig
+
+
+def check_datasets(
+    cfg: TrainerConfig, train_set: Dataset, eval_set: Dataset | None
+) -> tuple[Dataset, Dataset | None]:
+    """Refuse an empty training set or a global batch larger than it (sized datasets only)."""
+    if uneven.is_uneven(train_set):
+        return train_set, eval_set
+    if len(train_set) == 0:
+        raise ValueError(
+            "the training dataset is empty; build_datasets() returned 0 samples: check the "
+            "data path and any filtering in build_datasets()"
+        )
+    if cfg.global_batch_size > len(train_set):
+        raise ConfigError(
+            f"global_batch_size {cfg.global_batch_size} is larger than the training "
+            f"set ({len(train_set)} samples); use global_batch_size <= {len(train_set)}"
+        )
+    return train_set, eval_set
+
+
+def wrap_model(cfg: TrainerConfig, module: nn.Module) -> DistributedDataParallel:
+    """The wrapper the config asks for (SyncBatchNorm converted first)."""
+    if cfg.sync_batchnorm:
+        # Its own group: under join (uneven data) its reductions must not interleave with
+        # the comm hook's on the wrapper's group in an order a joined rank cannot know.
+        module = convert_sync_batchnorm(module, dist.new_group())
+    return DistributedDataParallel(
+        module, bucket_cap_mb=cfg.bucket_cap_mb, comm_hook=cfg.resolve_comm_hook()
+    )
+
+
+def sampler(cfg: TrainerConfig, num_samples: int) -> ShardedSampler:
+    """The resumable sampler of micro-batches (a step is grad_accum_steps of them)."""
+    return ShardedSampler(
+        num_samples,
+        global_batch_size=cfg.micro_global_batch_size,
+        shuffle=cfg.shuffle,
+        seed=cfg.seed,
+        drop_last=cfg.drop_last,
+    )
+
+
+def loader(
+    cfg: TrainerConfig, info: DistInfo, sampler: ShardedSampler, train_set: Dataset
+) -> DataLoader:
+    """This rank's DataLoader over its shard of every global batch."""
+    return DataLoader(
+        train_set,
+        batch_size=sampler.per_rank_batch_size,
+        sampler=sampler,
+        num_workers=cfg.num_workers,
+        pin_memory=info.device.type == "cuda",
+        # Its own generator: iter(loader) draws a worker seed, which must not consume the
+        # global RNG that dropout uses, or a resumed run would draw different masks.
+        generator=torch.Generator().manual_seed(cfg.seed),
+    )
+
+
+def optimizer(cfg: TrainerConfig, value: Any) -> tuple[torch.optim.Optimizer, Any]:
+    """(optimizer, scheduler or None) from what configure_optimizers returned."""
+    if isinstance(value, torch.optim.Optimizer):
+        opt, scheduler = value, None
+    elif isinstance(value, tuple) and len(value) == 2:
+        opt, scheduler = value
+    else:
+        raise TypeError(
+            "configure_optimizers must return an optimizer or (optimizer, lr_scheduler), "
+            f"got {type(value).__name__}"
+        )
+    if cfg.zero_stage == 1:
+        # The user's optimizer only describes the run (class, groups, hyperparameters);
+        # ZeRO shares its param_groups, so a scheduler built on it still sets the lr.
+        opt = ZeroRedundancyOptimizer.from_optimizer(opt)
+    return opt, scheduler
+
+
+def total_steps(cfg: TrainerConfig, sampler: ShardedSampler) -> int:
+    """Optimizer steps in the run: epochs of the sampler, capped by max_steps."""
+    per_epoch = math.ceil(sampler.batches_per_epoch / cfg.grad_accum_steps)
+    by_epochs = per_epoch * cfg.epochs
+    return min(by_epochs, cfg.max_steps) if cfg.max_steps is not None else by_epochs
