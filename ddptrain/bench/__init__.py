@@ -1,1 +1,1 @@
-"""Benchmarks: `python -m ddptrain.bench` (steps.py) and its report (report.py)."""
+"""Benchmarks: `python -m ddptrain.bench` (steps.py), --recipe (recipe.py), --memory (memory.py)."""
