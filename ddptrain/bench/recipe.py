@@ -109,9 +109,10 @@ def _run_ddptrain(args: argparse.Namespace, recipe_args: argparse.Namespace, sol
             counted["samples"] += len(batch[1])
             return super().training_step(model, batch)
 
+    # As recipes/mnist.py's main() builds it (keep in step), minus evaluation and checkpoints.
     config = TrainerConfig(
         global_batch_size=batch,
-        epochs=math.ceil(args.steps * batch / args.train_samples) + 1,
+        epochs=math.ceil(args.steps / math.ceil(args.train_samples / batch)),
         max_steps=args.steps,
         seed=recipe_args.seed,
         precision=recipe_args.precision,
