@@ -118,6 +118,7 @@ def _run_ddptrain(args: argparse.Namespace, recipe_args: argparse.Namespace, sol
         precision=recipe_args.precision,
         comm_hook=recipe_args.comm_hook,
         zero_stage=recipe_args.zero_stage,
+        sync_batchnorm=recipe_args.sync_batchnorm,
         log_every_steps=50,
         progress_bar=False,
     )
@@ -135,7 +136,11 @@ def _run_standard(args: argparse.Namespace, recipe_args: argparse.Namespace) -> 
     loader = DataLoader(
         dataset, batch_size=recipe_args.global_batch_size // info.world_size, sampler=sampler
     )
-    model = TorchDDP(LeNet(dropout=recipe_args.dropout, width=recipe_args.width))
+    # Local BatchNorm even for --sync-batchnorm: torch's SyncBatchNorm runs on CUDA only.
+    batchnorm = recipe_args.batchnorm or recipe_args.sync_batchnorm
+    model = TorchDDP(
+        LeNet(dropout=recipe_args.dropout, width=recipe_args.width, batchnorm=batchnorm)
+    )
     optimizer = torch.optim.SGD(
         model.parameters(),
         lr=recipe_args.lr,
