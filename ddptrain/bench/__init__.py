@@ -1,1 +1,2 @@
-"""Benchmarks: `python -m ddptrain.bench` (steps.py) and its report (report.py)."""
+"""Benchmarks: `python -m ddptrain.bench` step times (steps.py, report.py), `--recipe` whole runs
+(recipe.py), `--memory` peak memory (memory.py); `python -m ddptrain.bench.batchnorm`."""

@@ -1,3 +1,13 @@
-from ddptrain.bench.steps import main
+"""`python -m ddptrain.bench [--recipe | --memory] ...`: step times, the whole run, or memory."""
 
-main()
+import sys
+
+from ddptrain.bench import memory, recipe, steps
+
+argv = sys.argv[1:]
+if "--recipe" in argv:
+    recipe.main(argv)
+elif "--memory" in argv:
+    memory.main(argv)
+else:
+    steps.main(argv)

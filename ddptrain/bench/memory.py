@@ -1,0 +1,189 @@
+"""Peak memory per rank: ddptrain's wrapper vs official DDP vs no wrapper, each in fresh processes.
+
+    python -m ddptrain.bench --memory                   # the MLP at world size 2
+    python -m ddptrain.bench --memory --models mlp,lenet --world-size 3 --steps 10
+    python -m ddptrain.bench --memory --quick           # smoke run (seconds)
+
+Each variant gets its own world (a process's peak RSS covers its whole life), builds the model,
+runs --steps training steps (zero_grad, forward, backward, SGD step) on random data and reports
+per rank: the peak RSS (getrusage ru_maxrss, which includes the pages of shared memory the rank
+touched), the shared-memory files it maps (/dev/shm/ddptrain-*, from /proc/self/maps; unlinked
+once mapped) and the resident part of those (RssShmem). "peak + shm" counts every mapped
+shared byte in full in every rank that maps it: peak RSS - RssShmem + mapped. glibc keeps its
+default (adaptive) thresholds here, as users get them. Writes <out>/memory.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import ddptrain
+from ddptrain.bench.report import machine
+from ddptrain.bench.steps import MODELS
+from ddptrain.parallel.ddp import DistributedDataParallel
+
+VARIANTS = ("ddptrain", "torch_ddp", "local")
+SHM_PREFIX = "/dev/shm/ddptrain-"
+_MIB = 2**20
+
+
+def shm_mapped_bytes(maps: str, prefix: str = SHM_PREFIX) -> int:
+    """Bytes of the mappings in /proc/<pid>/maps text whose file starts with `prefix` (pure)."""
+    total = 0
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(prefix):
+            lo, hi = fields[0].split("-")
+            total += int(hi, 16) - int(lo, 16)
+    return total
+
+
+def status_bytes(status: str, key: str) -> int:
+    """A `Key:   123 kB` field of /proc/<pid>/status text, in bytes; 0 when absent (pure)."""
+    for line in status.splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _measure() -> dict[str, int]:
+    with open("/proc/self/maps") as f:
+        mapped = shm_mapped_bytes(f.read())
+    with open("/proc/self/status") as f:
+        shmem = status_bytes(f.read(), "RssShmem")
+    # Linux reports ru_maxrss in KiB.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "peak_rss_bytes": peak,
+        "shm_mapped_bytes": mapped,
+        "rss_shmem_bytes": shmem,
+        "peak_with_shm_bytes": peak - shmem + mapped,
+    }
+
+
+def _worker(model_name: str, variant: str, steps: int) -> dict[str, Any]:
+    info = ddptrain.init_distributed()
+    factory, sample_shape, batch_size, _ = MODELS[model_name]
+    with open("/proc/self/status") as f:
+        before_model = status_bytes(f.read(), "VmRSS")
+    torch.manual_seed(0)
+    module = factory().to(info.device)
+    if variant == "ddptrain":
+        model: torch.nn.Module = DistributedDataParallel(module)
+    elif variant == "torch_ddp":
+        model = TorchDDP(module)
+    else:
+        model = module
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(info.rank)
+    x = torch.randn(batch_size, *sample_shape, generator=g)
+    y = torch.randint(0, 10, (batch_size,), generator=g)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    return {**_measure(), "rss_before_model_bytes": before_model, "param_bytes": params}
+
+
+def summarize(raw: dict[str, dict[str, list[dict]]], settings: dict[str, Any]) -> dict[str, Any]:
+    """Per model, variant and rank measurements in; the worst rank and the gaps out (pure)."""
+    models = {}
+    for name, variants in raw.items():
+        rows = {}
+        for v, ranks in variants.items():
+            rows[v] = {
+                key: max(r[key] for r in ranks)
+                for key in ("peak_rss_bytes", "shm_mapped_bytes", "peak_with_shm_bytes")
+            }
+            rows[v]["per_rank"] = ranks
+        grad_bytes = next(iter(variants.values()))[0]["param_bytes"]
+        official = rows.get("torch_ddp", {}).get("peak_with_shm_bytes")
+        for row in rows.values():
+            # In gradient-sized copies: the unit the wrappers' buffers come in.
+            row["vs_torch_ddp_grad_copies"] = (
+                (row["peak_with_shm_bytes"] - official) / grad_bytes if official else None
+            )
+        models[name] = {"grad_bytes": grad_bytes, "variants": rows}
+    return {"settings": settings, "models": models}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The table printed at the end of a run (MiB; the worst rank)."""
+    lines = [
+        f"{'model':<8} {'variant':<10} {'peak RSS':>9} {'shm mapped':>10} {'peak+shm':>9} "
+        f"{'vs DDP (grads)':>14}"
+    ]
+    for name, entry in result["models"].items():
+        for v, row in entry["variants"].items():
+            gap = row["vs_torch_ddp_grad_copies"]
+            peak, shm, both = (
+                row[k] / _MIB for k in ("peak_rss_bytes", "shm_mapped_bytes", "peak_with_shm_bytes")
+            )
+            lines.append(
+                f"{name:<8} {v:<10} {peak:>9.1f} {shm:>10.1f} {both:>9.1f} "
+                f"{'-' if gap is None else f'{gap:+.2f}':>14}"
+            )
+        lines.append(f"{name:<8} one gradient copy = {entry['grad_bytes'] / _MIB:.1f} MiB")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; --quick: two steps."""
+    p = argparse.ArgumentParser(
+        prog="python -m ddptrain.bench --memory", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--memory", action="store_true", help="this report (python -m ddptrain.bench)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--models", default="mlp", help=f"subset of {','.join(MODELS)}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--quick", action="store_true", help="two steps: seconds")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps = 2
+    args.models = [m for m in args.models.split(",") if m]
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [m for m in args.models if m not in MODELS]
+    unknown += [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown {unknown}; models: {list(MODELS)}, variants: {list(VARIANTS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Measure, print the table, write memory.json; return the result."""
+    args = parse_args(argv)
+    raw = {
+        m: {
+            v: ddptrain.spawn(_worker, args.world_size, m, v, args.steps, timeout_s=args.timeout_s)
+            for v in args.variants
+        }
+        for m in args.models
+    }
+    settings = {
+        "world_size": args.world_size,
+        "steps": args.steps,
+        "batch_size_per_rank": {m: MODELS[m][2] for m in args.models},
+        "machine": machine(),
+        "load_avg_1m": os.getloadavg()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    result = summarize(raw, settings)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "memory.json").write_text(json.dumps(result, indent=1))
+    print(format_table(result))
+    print(f"wrote {args.out / 'memory.json'}")
+    return result

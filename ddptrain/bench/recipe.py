@@ -1,0 +1,319 @@
+"""The whole training run: ddptrain's recipe, the standard official-DDP loop, the no-comm floor.
+
+    python -m ddptrain.bench --recipe                   # world size 2, one epoch each (469 steps)
+    python -m ddptrain.bench --recipe --quick           # smoke run (seconds)
+    python -m ddptrain.bench --recipe --world-size 3 --epochs 2 --repeats 2 --out bench-results/r3
+    python -m ddptrain.bench --recipe --recipe-args "--width 1 --global-batch-size 256"
+
+Same data (Fashion-MNIST from /usr/share/datasets/fashion-mnist, else synthetic images of its
+shape), same LeNet and SGD settings (recipes/mnist.py's flags, defaults unless --recipe-args),
+same number of optimizer steps, one thread per rank:
+- ddptrain: the recipe's Trainer (recipes/mnist.py's MNISTTrainer) with no evaluation set, so
+  its wall time is training only;
+- standard: the loop of pytorch/examples: torch's DistributedDataParallel, DistributedSampler,
+  DataLoader over a Dataset that converts and normalizes each sample in __getitem__;
+- floor: world_size independent one-process runs of the recipe (its world size 1, the per-rank
+  batch) side by side: the same work with no communication at all.
+samples/s: synchronous runs count all ranks' samples over the slowest rank's wall time; the
+floor sums each process's own samples/s. Variants run in separate worlds one after another (the
+order rotates every repeat). Writes <out>/recipe.json and <out>/recipe.png (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+import ddptrain
+from ddptrain.bench.report import machine
+from ddptrain.data.idx import DEBIAN_FASHION_MNIST, IDXDataset, fashion_mnist
+from ddptrain.models import LeNet
+from ddptrain.train.config import TrainerConfig
+
+VARIANTS = ("ddptrain", "standard", "floor")
+RECIPE_PATH = Path(__file__).resolve().parents[2] / "recipes" / "mnist.py"
+# Fashion-MNIST's train split: what the synthetic stand-in imitates (--quick: a smaller one).
+TRAIN_SAMPLES, QUICK_SAMPLES, MEAN, STD = 60_000, 4096, 0.2860, 0.3530
+# pytorch/examples' mnist: log_interval=10 reads the loss every 10 batches.
+LOG_INTERVAL = 10
+
+
+def _load_recipe() -> Any:
+    """recipes/mnist.py as a module: the bench follows the recipe's model, data and flags."""
+    if not RECIPE_PATH.is_file():
+        raise FileNotFoundError(f"{RECIPE_PATH} not found: run the recipe bench from a checkout")
+    spec = importlib.util.spec_from_file_location("ddptrain_recipe_mnist", RECIPE_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _train_images(data: str, quick: bool) -> IDXDataset:
+    """The train split as the recipe loads it, or synthetic images of the same shape."""
+    if data == "fashion-mnist":
+        return fashion_mnist(train=True)
+    g = torch.Generator().manual_seed(0)
+    n = QUICK_SAMPLES if quick else TRAIN_SAMPLES
+    images = torch.randint(0, 256, (n, 28, 28), dtype=torch.uint8, generator=g)
+    targets = torch.randint(0, 10, (n,), generator=g)
+    return IDXDataset(images, targets, mean=MEAN, std=STD)
+
+
+class PerSampleDataset(Dataset):
+    """uint8 images converted and normalized one sample at a time, as ToTensor + Normalize do."""
+
+    def __init__(self, images: torch.Tensor, targets: torch.Tensor, mean: float, std: float):
+        self.images, self.targets, self.mean, self.std = images, targets, mean, std
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.images[i].unsqueeze(0).float().div(255)
+        return (x - self.mean) / self.std, self.targets[i]
+
+
+def _run_ddptrain(args: argparse.Namespace, recipe_args: argparse.Namespace, solo: bool) -> dict:
+    """The recipe's Trainer for args.steps steps; solo: a world of one on the per-rank batch."""
+    recipe = _load_recipe()
+    if solo:
+        # Start together, then leave: each process trains alone in a world of its own.
+        ddptrain.init_distributed()
+        batch = recipe_args.global_batch_size // torch.distributed.get_world_size()
+        torch.distributed.barrier()
+        ddptrain.shutdown()
+        ddptrain.init_distributed(env={})
+    else:
+        batch = recipe_args.global_batch_size
+    counted = {"samples": 0}
+
+    class BenchTrainer(recipe.MNISTTrainer):
+        def build_datasets(self):
+            return _train_images(args.data, args.quick), None
+
+        def training_step(self, model, batch):
+            counted["samples"] += len(batch[1])
+            return super().training_step(model, batch)
+
+    # As recipes/mnist.py's main() builds it (keep in step), minus evaluation and checkpoints.
+    config = TrainerConfig(
+        global_batch_size=batch,
+        epochs=math.ceil(args.steps / math.ceil(args.train_samples / batch)),
+        max_steps=args.steps,
+        seed=recipe_args.seed,
+        precision=recipe_args.precision,
+        comm_hook=recipe_args.comm_hook,
+        zero_stage=recipe_args.zero_stage,
+        sync_batchnorm=recipe_args.sync_batchnorm,
+        log_every_steps=50,
+        progress_bar=False,
+    )
+    summary = BenchTrainer(config, recipe_args).fit()
+    return {"samples": counted["samples"], "wall_s": summary["wall_s"]}
+
+
+def _run_standard(args: argparse.Namespace, recipe_args: argparse.Namespace) -> dict:
+    """pytorch/examples' DDP loop: DistributedSampler, DataLoader, per-sample normalize."""
+    info = ddptrain.init_distributed()
+    torch.manual_seed(recipe_args.seed)
+    split = _train_images(args.data, args.quick)
+    dataset = PerSampleDataset(split.images, split.targets, split.mean, split.std)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=recipe_args.seed)
+    loader = DataLoader(
+        dataset, batch_size=recipe_args.global_batch_size // info.world_size, sampler=sampler
+    )
+    # Local BatchNorm even for --sync-batchnorm: torch's SyncBatchNorm runs on CUDA only.
+    batchnorm = recipe_args.batchnorm or recipe_args.sync_batchnorm
+    model = TorchDDP(
+        LeNet(dropout=recipe_args.dropout, width=recipe_args.width, batchnorm=batchnorm)
+    )
+    optimizer = torch.optim.SGD(
+        model.parameters(),
+        lr=recipe_args.lr,
+        momentum=recipe_args.momentum,
+        weight_decay=recipe_args.weight_decay,
+    )
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
+    model.train()
+    step, samples, epoch = 0, 0, 0
+    start = time.perf_counter()
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for batch_idx, (data, target) in enumerate(loader):
+            optimizer.zero_grad()
+            loss = F.nll_loss(model(data), target)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            if batch_idx % LOG_INTERVAL == 0:
+                loss.item()
+            step, samples = step + 1, samples + len(target)
+            if step == args.steps:
+                break
+        epoch += 1
+    return {"samples": samples, "wall_s": time.perf_counter() - start}
+
+
+def _worker(variant: str, args: argparse.Namespace) -> dict:
+    recipe_args = _load_recipe().parse_args(args.recipe_args)
+    if variant == "standard":
+        return _run_standard(args, recipe_args)
+    return _run_ddptrain(args, recipe_args, solo=variant == "floor")
+
+
+def summarize(runs: list[dict[str, list[dict]]], settings: dict[str, Any]) -> dict[str, Any]:
+    """Per-run, per-rank (samples, wall_s) in; samples/s per variant and the ratios out (pure)."""
+    per_run: dict[str, list[float]] = {v: [] for v in runs[0]}
+    for run in runs:
+        for v, ranks in run.items():
+            if v == "floor":
+                # Independent processes: each keeps its own pace; their rates add up.
+                rate = sum(r["samples"] / r["wall_s"] for r in ranks)
+            else:
+                # Synchronous: every rank waits for the slowest at each step.
+                rate = sum(r["samples"] for r in ranks) / max(r["wall_s"] for r in ranks)
+            per_run[v].append(rate)
+    variants = {
+        v: {
+            "samples_per_s": statistics.median(rates),
+            "runs": rates,
+            "per_rank": [r[v] for r in runs],
+        }
+        for v, rates in per_run.items()
+    }
+    rate = {v: row["samples_per_s"] for v, row in variants.items()}
+    ratios = {}
+    if "ddptrain" in rate and "standard" in rate:
+        ratios["ddptrain_vs_standard"] = rate["ddptrain"] / rate["standard"]
+    if "ddptrain" in rate and "floor" in rate:
+        ratios["ddptrain_vs_floor"] = rate["ddptrain"] / rate["floor"]
+    return {"settings": settings, "variants": variants, "ratios": ratios}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The table printed at the end of a run."""
+    lines = [f"{'variant':<10} {'samples/s':>10}  runs"]
+    for v, row in result["variants"].items():
+        runs = ", ".join(f"{r:.0f}" for r in row["runs"])
+        lines.append(f"{v:<10} {row['samples_per_s']:>10.0f}  {runs}")
+    lines += [f"{name}: {value:.3f}" for name, value in result["ratios"].items()]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Bar chart of samples/s with the ratios in the title; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(result["variants"])
+    rates = [result["variants"][v]["samples_per_s"] for v in names]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bars = ax.bar(names, rates, color=["tab:blue", "tab:orange", "tab:gray"][: len(names)])
+    ax.bar_label(bars, fmt="%.0f")
+    s = result["settings"]
+    ax.set_ylabel("training samples/s (higher is better)")
+    ratios = ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in result["ratios"].items())
+    ax.set_title(f"LeNet, {s['data']}, world size {s['world_size']}, {s['steps']} steps\n{ratios}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; --quick shrinks the run to a smoke test."""
+    p = argparse.ArgumentParser(
+        prog="python -m ddptrain.bench --recipe", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--recipe", action="store_true", help="this benchmark (python -m ddptrain.bench)"
+    )
+    p.add_argument("--world-size", type=int, default=2)
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=None, help="optimizer steps per variant")
+    length.add_argument("--epochs", type=int, default=None, help="default 1 (469 steps at 128)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of every variant, order rotated")
+    p.add_argument(
+        "--data",
+        choices=["auto", "fashion-mnist", "synthetic"],
+        default="auto",
+        help="auto: Fashion-MNIST when installed, else synthetic",
+    )
+    p.add_argument("--recipe-args", default="", help="flags for recipes/mnist.py's parser")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--quick", action="store_true", help="synthetic data, 6 steps: seconds")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--timeout-s", type=float, default=1800.0)
+    args = p.parse_args(argv)
+    if args.data == "auto":
+        args.data = "fashion-mnist" if DEBIAN_FASHION_MNIST.is_dir() else "synthetic"
+    if args.quick:
+        args.data, args.steps, args.epochs = "synthetic", 6, None
+    args.recipe_args = shlex.split(args.recipe_args)
+    args.variants = [v for v in args.variants.split(",") if v]
+    if unknown := [v for v in args.variants if v not in VARIANTS]:
+        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    args.train_samples = QUICK_SAMPLES if args.quick else TRAIN_SAMPLES
+    if args.steps is None:
+        batch = _load_recipe().parse_args(args.recipe_args).global_batch_size
+        args.steps = (args.epochs or 1) * math.ceil(args.train_samples / batch)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the comparison, print the table, write recipe.json (and recipe.png); return it."""
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    runs = []
+    for r in range(args.repeats):
+        order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
+        run = {}
+        for v in order:
+            run[v] = ddptrain.spawn(_worker, args.world_size, v, args, timeout_s=args.timeout_s)
+        runs.append({v: run[v] for v in args.variants})
+    settings = {
+        "world_size": args.world_size,
+        "steps": args.steps,
+        "data": args.data,
+        "train_samples": args.train_samples,
+        "recipe_args": args.recipe_args,
+        "repeats": args.repeats,
+        "threads_per_rank": 1,
+        "machine": machine(),
+        "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    result = summarize(runs, settings)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "recipe.json").write_text(json.dumps(result, indent=1))
+    print(format_table(result))
+    if not args.no_plot and plot(result, args.out / "recipe.png"):
+        print(f"wrote {args.out / 'recipe.json'} and {args.out / 'recipe.png'}")
+    elif not args.no_plot:
+        print(f"wrote {args.out / 'recipe.json'} (no chart: pip install matplotlib)")
+    else:
+        print(f"wrote {args.out / 'recipe.json'}")
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,96 @@
+"""The whole-run comparison (--recipe) and the memory report (--memory): smoke runs and summaries.
+
+Speed is judged by the benchmarks themselves; these check that each runs end to end and that
+its JSON holds every figure, derived from the measured ones as documented.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddptrain.bench import memory, recipe
+
+
+def test_recipe_quick_run_reports_three_variants_and_their_ratios(tmp_path):
+    """--recipe --quick at world size 2: positive samples/s for each variant, ratios from them."""
+    result = recipe.main(["--recipe", "--quick", "--out", str(tmp_path), "--no-plot"])
+    saved = json.loads((tmp_path / "recipe.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    assert saved["settings"]["world_size"] == 2 and saved["settings"]["data"] == "synthetic"
+    rows = saved["variants"]
+    assert list(rows) == list(recipe.VARIANTS)
+    for name, row in rows.items():
+        assert row["samples_per_s"] > 0, name
+        assert len(row["per_rank"][0]) == 2, name
+        # Every variant trained the same number of steps on the same per-rank batch.
+        steps = saved["settings"]["steps"]
+        batch = recipe._load_recipe().parse_args([]).global_batch_size // 2
+        assert [r["samples"] for r in row["per_rank"][0]] == [steps * batch] * 2, name
+    ratios = saved["ratios"]
+    rate = {v: row["samples_per_s"] for v, row in rows.items()}
+    assert ratios["ddptrain_vs_standard"] == pytest.approx(rate["ddptrain"] / rate["standard"])
+    assert ratios["ddptrain_vs_floor"] == pytest.approx(rate["ddptrain"] / rate["floor"])
+
+
+def test_recipe_summary_counts_sync_worlds_by_slowest_rank_and_sums_the_floor():
+    """Synchronous variants: all samples / slowest wall time; floor: the sum of each rate."""
+    run = {
+        "ddptrain": [{"samples": 100, "wall_s": 1.0}, {"samples": 100, "wall_s": 2.0}],
+        "standard": [{"samples": 100, "wall_s": 4.0}, {"samples": 100, "wall_s": 4.0}],
+        "floor": [{"samples": 100, "wall_s": 1.0}, {"samples": 100, "wall_s": 2.0}],
+    }
+    second = {**run, "ddptrain": [{"samples": 100, "wall_s": 4.0}] * 2}
+    result = recipe.summarize([run, second, run], {})
+    assert result["variants"]["ddptrain"]["runs"] == [100.0, 50.0, 100.0]
+    assert result["variants"]["ddptrain"]["samples_per_s"] == 100.0
+    assert result["variants"]["floor"]["samples_per_s"] == 150.0
+    assert result["ratios"] == {"ddptrain_vs_standard": 2.0, "ddptrain_vs_floor": 100 / 150}
+    assert "ddptrain_vs_floor" in recipe.format_table(result)
+
+
+def test_per_sample_dataset_matches_the_bulk_normalized_one():
+    """The standard stack's per-sample normalize gives the recipe's bulk-normalized samples."""
+    split = recipe._train_images("synthetic", quick=True)
+    per_sample = recipe.PerSampleDataset(split.images, split.targets, split.mean, split.std)
+    for i in (0, 17, len(split) - 1):
+        x, y = per_sample[i]
+        bx, by = split[i]
+        assert x.shape == bx.shape == (1, 28, 28) and y == by
+        # Same maths in a different order ((x / 255 - mean) / std, per sample or in bulk).
+        assert x.sub(bx).abs().max() < 1e-5
+
+
+def test_memory_quick_run_reports_positive_figures(tmp_path):
+    """--memory --quick: every variant's peak RSS is positive; ddptrain's shared rows counted."""
+    result = memory.main(["--memory", "--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "memory.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    mlp = saved["models"]["mlp"]
+    assert list(mlp["variants"]) == list(memory.VARIANTS)
+    assert mlp["grad_bytes"] == 4 * sum(p.numel() for p in memory.MODELS["mlp"][0]().parameters())
+    for name, row in mlp["variants"].items():
+        assert row["peak_rss_bytes"] > 0 and row["peak_with_shm_bytes"] > 0, name
+        assert len(row["per_rank"]) == 2, name
+    ours = mlp["variants"]["ddptrain"]
+    # Shared memory is ddptrain's default on CPU; its rows hold at least the gradients.
+    if ours["shm_mapped_bytes"]:
+        assert ours["shm_mapped_bytes"] >= mlp["grad_bytes"]
+    assert mlp["variants"]["torch_ddp"]["vs_torch_ddp_grad_copies"] == 0.0
+
+
+MAPS = """\
+7f0000000000-7f0000400000 rw-s 00000000 00:1a 123  /dev/shm/ddptrain-abc-0 (deleted)
+7f0000400000-7f0000401000 rw-s 00000000 00:1a 124  /dev/shm/ddptrain-abc-1 (deleted)
+7f0000500000-7f0000600000 rw-s 00000000 00:1a 125  /dev/shm/other-file
+7f0000600000-7f0000700000 rw-p 00000000 00:00 0
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0    [stack]
+"""
+
+
+def test_shm_bytes_come_from_ddptrain_mappings_only():
+    """Only /dev/shm/ddptrain-* mappings are counted, each by its address range."""
+    assert memory.shm_mapped_bytes(MAPS) == 0x400000 + 0x1000
+    assert memory.status_bytes("VmHWM:\t  2048 kB\nRssShmem:\t 12 kB\n", "RssShmem") == 12 * 1024
+    assert memory.status_bytes("VmHWM:\t  2048 kB\n", "RssShmem") == 0
