@@ -189,12 +189,9 @@ def _step_range(p: argparse.ArgumentParser, values: list[str] | None) -> tuple[i
     return steps[0], steps[-1]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """1 flags -> 2 config -> 3 trainer (init, data, model, wrap, optimizer, resume, loop)."""
-    args = parse_args(argv)
-    if args.dry_run:
-        args.epochs, args.max_steps = 1, 5
-    config = TrainerConfig(
+def build_config(args: argparse.Namespace) -> TrainerConfig:
+    """The TrainerConfig these flags describe (the bench builds its runs from it too)."""
+    return TrainerConfig(
         global_batch_size=args.global_batch_size,
         epochs=args.epochs,
         max_steps=args.max_steps,
@@ -213,6 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         profile_steps=args.profile_steps,
         loggers=("jsonl", "tensorboard") if args.tensorboard else ("jsonl",),
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """1 flags -> 2 config -> 3 trainer (init, data, model, wrap, optimizer, resume, loop)."""
+    args = parse_args(argv)
+    if args.dry_run:
+        args.epochs, args.max_steps = 1, 5
+    config = build_config(args)
     trainer = MNISTTrainer(config, args)
     summary = trainer.fit()
     accuracy = summary["eval"].get("eval_accuracy", float("nan"))

@@ -22,6 +22,7 @@ order rotates every repeat). Writes <out>/recipe.json and <out>/recipe.png (matp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -42,7 +43,6 @@ import ddptrain
 from ddptrain.bench.report import machine
 from ddptrain.data.idx import DEBIAN_FASHION_MNIST, IDXDataset, fashion_mnist
 from ddptrain.models import LeNet
-from ddptrain.train.config import TrainerConfig
 
 VARIANTS = ("ddptrain", "standard", "floor")
 RECIPE_PATH = Path(__file__).resolve().parents[2] / "recipes" / "mnist.py"
@@ -109,18 +109,20 @@ def _run_ddptrain(args: argparse.Namespace, recipe_args: argparse.Namespace, sol
             counted["samples"] += len(batch[1])
             return super().training_step(model, batch)
 
-    # As recipes/mnist.py's main() builds it (keep in step), minus evaluation and checkpoints.
-    config = TrainerConfig(
+    # The recipe's own settings, minus evaluation, checkpoints, logs and profiling.
+    config = dataclasses.replace(
+        recipe.build_config(recipe_args),
         global_batch_size=batch,
         epochs=math.ceil(args.steps / math.ceil(args.train_samples / batch)),
         max_steps=args.steps,
-        seed=recipe_args.seed,
-        precision=recipe_args.precision,
-        comm_hook=recipe_args.comm_hook,
-        zero_stage=recipe_args.zero_stage,
-        sync_batchnorm=recipe_args.sync_batchnorm,
+        checkpoint_dir=None,
+        resume=None,
+        log_dir=None,
         log_every_steps=50,
+        eval_every_steps=None,
         progress_bar=False,
+        profile_steps=None,
+        loggers=("jsonl",),
     )
     summary = BenchTrainer(config, recipe_args).fit()
     return {"samples": counted["samples"], "wall_s": summary["wall_s"]}

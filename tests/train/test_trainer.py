@@ -93,9 +93,12 @@ def test_resume_at_another_world_size(tmp_path):
     # Smooth model: the other world size sums each batch in another order, and through ReLU
     # such last-bit differences can grow over 19 momentum steps (to 1e-4 on some CPUs); with
     # tanh they stay ulp-sized. Measured on a 2-core AMD EPYC: see the printed max|diff|.
-    runs = [(_config(tmp_path / "a"), 0.0, None, True), (_config(tmp_path / "b"), 0.0, 13, True)]
-    (straight, crashed), _ = ddptrain.spawn(_run_fits, 2, runs, timeout_s=240)
-    assert crashed[0] == "error"
+    # Separate process starts: a second fit() re-initialising the group on the same file://
+    # rendezvous in one process can hang (seen here), and a fresh process is the real resume.
+    straight_cfg = _config(tmp_path / "a")
+    straight = ddptrain.spawn(_run_fit, 2, straight_cfg, 0.0, None, True, timeout_s=120)[0]
+    with pytest.raises(ddptrain.WorkerError, match="simulated crash"):
+        ddptrain.spawn(_run_fit, 2, _config(tmp_path / "b"), 0.0, 13, True, timeout_s=120)
     for world_size in (1, 3):
         d = tmp_path / f"ws{world_size}"
         (d / "ckpt").mkdir(parents=True)
