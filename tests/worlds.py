@@ -15,6 +15,7 @@ still hangs the world: spawn's timeout reports it.
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -43,3 +44,15 @@ def outcome(results: list[dict[str, tuple]], name: str) -> list[Any]:
         if not ok:
             pytest.fail(f"case {name!r} failed on rank {rank}: {value}", pytrace=False)
     return [per_case[name][1] for per_case in results]
+
+
+def spawner(
+    run: Callable[[list[str]], dict], cases_by_world: dict[int, list[str]], timeout_s: float
+) -> Callable[[int], list[dict]]:
+    """world(ws) -> every rank's results of cases_by_world[ws], spawned once per world size."""
+
+    @functools.cache
+    def results(world_size: int) -> list[dict]:
+        return ddptrain.spawn(run, world_size, cases_by_world[world_size], timeout_s=timeout_s)
+
+    return results

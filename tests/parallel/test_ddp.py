@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import ddptrain
 import toy_models
 import worlds
 from ddptrain.parallel.ddp import DistributedDataParallel
@@ -214,14 +213,7 @@ def _run_cases(names: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def world():
     """world(ws): every case of CASES_BY_WORLD[ws] from one spawned world, spawned once."""
-
-    @functools.cache
-    def results(world_size: int) -> list[dict]:
-        return ddptrain.spawn(
-            _run_cases, world_size, CASES_BY_WORLD[world_size], timeout_s=WORLD_TIMEOUT_S
-        )
-
-    return results
+    return worlds.spawner(_run_cases, CASES_BY_WORLD, WORLD_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", MODELS)
