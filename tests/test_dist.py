@@ -125,3 +125,29 @@ def test_spawn_times_out_and_kills_workers():
     """A worker that never finishes is killed and reported after timeout_s."""
     with pytest.raises(TimeoutError, match="ranks \\[0\\]"):
         ddptrain.spawn(_run_sleep, 1, timeout_s=3)
+
+
+def _run_report_process() -> tuple:
+    import multiprocessing
+    import os
+
+    return os.environ.get("DDPTRAIN_TEST_MARK"), multiprocessing.get_start_method()
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_spawn_workers_see_the_callers_environment_now(start_method, monkeypatch):
+    """Each call's workers get the caller's current environment (not the forkserver's, set
+    earlier) and start their own children with the platform default, as torchrun ranks do."""
+    import multiprocessing
+
+    default = multiprocessing.get_context().get_start_method()
+    for mark in ("first", "second"):
+        monkeypatch.setenv("DDPTRAIN_TEST_MARK", mark)
+        results = ddptrain.spawn(_run_report_process, 2, timeout_s=60, start_method=start_method)
+        assert results == [(mark, default)] * 2
+
+
+def test_spawn_refuses_an_unknown_start_method():
+    """start_method other than forkserver/spawn is a ValueError naming the choices."""
+    with pytest.raises(ValueError, match="'forkserver' or 'spawn'"):
+        ddptrain.spawn(_run_report_process, 1, start_method="fork")

@@ -3,9 +3,9 @@
     pytest tests/test_multinode.py -rs       # needs root and `ip netns`; -rs prints why if skipped
 
 torchrun --nnodes=2 --nproc_per_node=2 runs tests/multinode_job.py in each namespace with c10d
-rendezvous over the veth, and the trained parameters must equal, bit for bit, a single-node
-`torchrun --standalone --nproc_per_node=4` run that sums gradients with the same gloo
-all_reduce. Every address used is on the private 10.231.77.0/24 that exists only inside the
+rendezvous over the veth, and the trained parameters must equal, bit for bit, a single-host
+world of 4 started by ddptrain.spawn (tests/spawned_refs.py) that sums gradients with the same
+gloo all_reduce. Every address used is on the private 10.231.77.0/24 that exists only inside the
 two namespaces, which are deleted afterwards; in a run as non-root, or where `ip netns` is not
 permitted, the test is skipped with the error.
 """
@@ -17,11 +17,15 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import spawned_refs
 import torch
+
+import ddptrain
 
 JOB = Path(__file__).resolve().parent / "multinode_job.py"
 SUBNET = "10.231.77"
@@ -119,8 +123,14 @@ def _kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def _run_all(commands: list[list[str]], envs: list[dict[str, str]], tmp_path: Path) -> None:
-    """Run the commands concurrently; fail with their output on any error or timeout."""
+def _run_all(
+    commands: list[list[str]],
+    envs: list[dict[str, str]],
+    tmp_path: Path,
+    alongside: Callable[[], object],
+) -> None:
+    """Run the commands concurrently, and `alongside()` here meanwhile; fail with their output
+    on any error or timeout."""
     logs = [tmp_path / f"launcher-{i}.log" for i in range(len(commands))]
     procs = []
     try:
@@ -131,6 +141,7 @@ def _run_all(commands: list[list[str]], envs: list[dict[str, str]], tmp_path: Pa
                         command, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT
                     )
                 )
+        alongside()
         codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
     except subprocess.TimeoutExpired:
         codes = None
@@ -191,23 +202,17 @@ def test_two_namespaces_equal_one_host_of_four(two_hosts, tmp_path):
         )
         envs.append(_clean_env(GLOO_SOCKET_IFNAME=host.ifname))
     ref_out = tmp_path / "one_node.pt"
-    # The single-node reference runs alongside: the launchers mostly wait on start-up and
-    # rendezvous, so this halves the wall time; separate network namespaces keep the runs apart.
-    # It pins gloo's all_reduce, the reduction two hosts get: one host may default to a
-    # shared-memory reduction that sums in another order (last-bit differences, not a bug).
-    commands.append(
-        _torchrun(
-            "--standalone",
-            "--nproc_per_node=4",
-            str(JOB),
-            "--out",
-            str(ref_out),
-            "--comm-hook",
-            "allreduce",
-        )
-    )
-    envs.append(_clean_env())
-    _run_all(commands, envs, tmp_path)
+    # The single-host reference runs alongside: the launchers mostly wait on start-up and
+    # rendezvous, and separate network namespaces keep the runs apart. It pins gloo's
+    # all_reduce, the reduction two hosts get: one host may default to a shared-memory
+    # reduction that sums in another order (last-bit differences, not a bug).
+    ref_args = ["--out", str(ref_out), "--comm-hook", "allreduce"]
+    ddptrain_env = {"OMP_NUM_THREADS": "1"}
+
+    def reference() -> None:
+        ddptrain.spawn(spawned_refs.job, 4, ref_args, timeout_s=TIMEOUT_S, env=ddptrain_env)
+
+    _run_all(commands, envs, tmp_path, alongside=reference)
 
     multi, ref = _load(multi_out), _load(ref_out)
     assert multi["world_size"] == ref["world_size"] == 4

@@ -1,10 +1,11 @@
-"""The real launchers: mpirun and a one-node SLURM cluster train bit for bit like torchrun.
+"""The real launchers: mpirun and a one-node SLURM cluster train bit for bit like spawned ranks.
 
     pytest tests/test_slurm_mpi.py -rs     # -rs prints why a test was skipped
 
-Each job runs on 2 ranks under torchrun first (the reference), then under Open MPI's mpirun,
-srun and sbatch (recipes/mnist.sbatch); the parameters they save must be equal bit for bit
-(world size 2: a + b == b + a, so the sums are exact whichever launcher started the ranks).
+Each job runs on 2 ranks started by ddptrain.spawn first (the reference: the world torchrun
+would start, without a fresh interpreter per rank), then under Open MPI's mpirun, srun and
+sbatch (recipes/mnist.sbatch); the parameters they save must be equal bit for bit (world size 2:
+a + b == b + a, so the sums are exact whichever launcher started the ranks).
 The SLURM tests start munged, slurmctld and slurmd from a generated slurm.conf in a temp
 directory (private munge socket and key, private ports, proctrack/linuxproc, no cgroups) and
 stop them by pid afterwards, also when a test fails. They need root (slurmd runs as root) and
@@ -25,8 +26,10 @@ import time
 from pathlib import Path
 
 import pytest
+import spawned_refs
 import torch
 
+import ddptrain
 from idx_files import write_split
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,10 +66,6 @@ def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
     return result
 
 
-def _torchrun() -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-
-
 def _recipe_args(data_dir: Path, ckpt_dir: Path) -> list[str]:
     return [
         "--data-dir",
@@ -85,7 +84,7 @@ def _recipe_model(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 def _assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
     different = [name for name in want if not torch.equal(got[name], want[name])]
-    assert not different, f"tensors differ from torchrun's: {different}"
+    assert not different, f"tensors differ from the reference run's: {different}"
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +100,12 @@ def workdir():
 
 @pytest.fixture(scope="module")
 def reference(workdir):
-    """torchrun's results for the recipe and the DDP job (computed once, for every launcher)."""
-    env = _clean_env()
+    """The recipe's and the DDP job's results on 2 spawned ranks (computed once, for every
+    launcher)."""
     ckpt = workdir / "ref-ckpt"
-    _run(_torchrun() + [str(RECIPE), *_recipe_args(workdir / "data", ckpt)], env, workdir)
-    _run(_torchrun() + [str(JOB), "--out", str(workdir / "ref.pt")], env, workdir)
+    recipe_args = _recipe_args(workdir / "data", ckpt)
+    assert ddptrain.spawn(spawned_refs.recipe, 2, recipe_args, timeout_s=TIMEOUT_S) == [0, 0]
+    ddptrain.spawn(spawned_refs.job, 2, ["--out", str(workdir / "ref.pt")], timeout_s=TIMEOUT_S)
     return {"recipe": _recipe_model(ckpt), "job": torch.load(workdir / "ref.pt")}
 
 
@@ -118,8 +118,8 @@ def mpirun():
         )
 
 
-def test_mpirun_recipe_equals_torchrun(mpirun, reference, workdir):
-    """mpirun -np 2 recipes/mnist.py --dry-run is one world of 2, bitwise equal to torchrun's."""
+def test_mpirun_recipe_equals_spawned_ranks(mpirun, reference, workdir):
+    """mpirun -np 2 recipes/mnist.py --dry-run is one world of 2, bitwise like spawned ranks."""
     ckpt = workdir / "mpi-ckpt"
     result = _run(
         MPIRUN + ["python", str(RECIPE), *_recipe_args(workdir / "data", ckpt)],
@@ -135,8 +135,8 @@ def test_mpirun_recipe_equals_torchrun(mpirun, reference, workdir):
 # without an active exception", no Python frame); undiagnosed. mpirun stays covered by the
 # recipe test above, the DDP job by the srun test below.
 @pytest.mark.slow
-def test_mpirun_ddp_job_equals_torchrun(mpirun, reference, workdir):
-    """The DDP job (tests/multinode_job.py) under mpirun ends with torchrun's parameters."""
+def test_mpirun_ddp_job_equals_spawned_ranks(mpirun, reference, workdir):
+    """The DDP job (tests/multinode_job.py) under mpirun ends with the spawned ranks' parameters."""
     out = workdir / "mpi.pt"
     _run(MPIRUN + ["python", str(JOB), "--out", str(out)], _clean_env(), workdir)
     result = torch.load(out)
@@ -280,8 +280,8 @@ def slurm_cluster():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_srun_ddp_job_equals_torchrun(slurm_cluster, reference, workdir):
-    """srun -n 2 tests/multinode_job.py on a real one-node cluster ends with torchrun's params."""
+def test_srun_ddp_job_equals_spawned_ranks(slurm_cluster, reference, workdir):
+    """srun -n 2 tests/multinode_job.py on a one-node cluster ends bitwise like spawned ranks."""
     out = workdir / "srun.pt"
     _run(["srun", "-n", "2", "python", str(JOB), "--out", str(out)], slurm_cluster, workdir)
     result = torch.load(out)
@@ -290,8 +290,8 @@ def test_srun_ddp_job_equals_torchrun(slurm_cluster, reference, workdir):
     _assert_bitwise_equal(result["params"], reference["job"]["params"])
 
 
-def test_sbatch_recipe_equals_torchrun(slurm_cluster, reference, workdir):
-    """sbatch recipes/mnist.sbatch (srun inside) trains the recipe bitwise like torchrun."""
+def test_sbatch_recipe_equals_spawned_ranks(slurm_cluster, reference, workdir):
+    """sbatch recipes/mnist.sbatch (srun inside) trains the recipe bitwise like spawned ranks."""
     ckpt = workdir / "sbatch-ckpt"
     output = workdir / "sbatch.out"
     _run(
