@@ -143,8 +143,8 @@ def test_spawn_workers_see_the_callers_environment_now(start_method, monkeypatch
     default = multiprocessing.get_context().get_start_method()
     for mark in ("first", "second"):
         monkeypatch.setenv("DDPTRAIN_TEST_MARK", mark)
-        results = ddptrain.spawn(_run_report_process, 2, timeout_s=60, start_method=start_method)
-        assert results == [(mark, default)] * 2
+        results = ddptrain.spawn(_run_report_process, 1, timeout_s=60, start_method=start_method)
+        assert results == [(mark, default)]
 
 
 def test_spawn_refuses_an_unknown_start_method():
