@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import ddptrain
 import toy_models
 import worlds
+from ddptrain.parallel.comm import make_hook
 from ddptrain.parallel.ddp import DistributedDataParallel
 
 # A spawned world runs many cases, so its first test waits for all of them: generous bounds
@@ -61,9 +62,11 @@ def _worst_ulps(wrapped: nn.Module, plain: nn.Module) -> dict[str, float]:
     return out
 
 
-def _one_step(model_name: str, rank: int, **options) -> dict:
+def _one_step(model_name: str, rank: int, channels_last: bool = False, **options) -> dict:
     torch.manual_seed(10 + rank)  # different weights per rank; the wrappers take rank 0's
     base = _Mixed() if model_name == "mixed" else toy_models.make(model_name)
+    if channels_last:
+        base = base.to(memory_format=torch.channels_last)
     ours = DistributedDataParallel(copy.deepcopy(base), **options)
     theirs = TorchDDP(copy.deepcopy(base))
     plain = copy.deepcopy(base)
@@ -77,7 +80,21 @@ def _one_step(model_name: str, rank: int, **options) -> dict:
         "official": _worst_ulps(theirs.module, plain),
         "n_buckets": len(ours.bucket_sizes_bytes),
         "dtypes": sorted({str(p.dtype) for p in ours.parameters()}),
+        # Per parameter: (NHWC weight, .grad laid out as the weight, .grad inside a bucket).
+        "layouts": [
+            (
+                p.dim() == 4 and not p.is_contiguous(),
+                p.grad.stride() == p.stride(),
+                any(_inside(p.grad, bucket) for bucket in ours._buckets),
+            )
+            for p in ours.module.parameters()
+        ],
     }
+
+
+def _inside(t: torch.Tensor, bucket: torch.Tensor) -> bool:
+    start = bucket.data_ptr()
+    return start <= t.data_ptr() < start + bucket.numel() * bucket.element_size()
 
 
 def _case_many_buckets(info) -> dict:
@@ -87,6 +104,14 @@ def _case_many_buckets(info) -> dict:
 
 def _case_mixed_dtypes(info) -> dict:
     return _one_step("mixed", info.rank)
+
+
+def _case_channels_last(info) -> dict:
+    return _one_step("lenet_nodrop", info.rank, channels_last=True)
+
+
+def _case_channels_last_bf16(info) -> dict:
+    return _one_step("lenet_nodrop", info.rank, channels_last=True, comm_hook=make_hook("bf16"))
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +131,28 @@ def test_averaged_gradients_within_ulps_of_the_exact_mean(world, case):
             assert r["n_buckets"] > 3
         else:
             assert r["dtypes"] == ["torch.float32", "torch.float64"] and r["n_buckets"] == 2
+
+
+def test_channels_last_gradients_are_nhwc_bucket_views_with_the_exact_mean(world):
+    """A channels_last LeNet: each .grad is a bucket view laid out as its weight (no transposing
+    copy), and the averaged gradients are within 3 ulps of the exact mean."""
+    for r in worlds.outcome(world, "channels_last"):
+        assert max(r["ours"].values()) <= ULPS
+        assert any(nhwc for nhwc, _, _ in r["layouts"])
+        assert all(same and inside for _, same, inside in r["layouts"]), r["layouts"]
+
+
+def test_channels_last_with_bf16_buckets_pairs_each_element_with_its_own(world):
+    """bf16 buckets for a channels_last LeNet: gradients within bf16 rounding of the exact mean
+    (an element paired with another in the casts would be off by its whole magnitude)."""
+    # Each rank's gradient and the sum are rounded to bf16 (8 bits: 2^16 float32 ulps each):
+    # within ws/2 + 1 bf16 ulps of the magnitude; 2 * ws allowed.
+    bf16_bound = 2 * ULPS * 2**16
+    for r in worlds.outcome(world, "channels_last_bf16"):
+        worst = max(r["ours"].values())
+        print(f"channels_last bf16 buckets: worst {worst / 2**16:.3g} bf16 ulps")
+        assert worst <= bf16_bound
+        assert all(same for _, same, _ in r["layouts"]), r["layouts"]
 
 
 def _case_broadcast_buffers(info) -> dict:
@@ -175,6 +222,8 @@ def test_subgroup_of_ranks_1_and_2_trains_like_official_ddp(world):
 CASES = {
     "many_buckets": _case_many_buckets,
     "mixed_dtypes": _case_mixed_dtypes,
+    "channels_last": _case_channels_last,
+    "channels_last_bf16": _case_channels_last_bf16,
     "broadcast_buffers": _case_broadcast_buffers,
     "subgroup": _case_subgroup,
 }
