@@ -192,8 +192,8 @@ CLI_CASES: dict[str, CliCase] = {
     "cli-batch-too-large": CliCase(
         lambda f: _data(f, "--global-batch-size", "1000"),
         2,
-        "error: global_batch_size 1000 is larger than the training set (240 samples)"
-        f"{GAP}use global_batch_size <= 240",
+        "error: global_batch_size 1000 is larger than the training set (480 samples)"
+        f"{GAP}use global_batch_size <= 480",
     ),
     "cli-resume-without-dir": CliCase(
         lambda f: _data(f, "--resume", "auto"),
@@ -235,11 +235,11 @@ CLI_CASES: dict[str, CliCase] = {
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("cli")
-    write_split(root / "data", "train", 240)
+    write_split(root / "data", "train", 480)
     write_split(root / "data", "t10k", 50)
-    write_split(root / "bad_labels", "train", 240)
+    write_split(root / "bad_labels", "train", 480)
     write_split(root / "bad_labels", "t10k", 50)
-    labels = (torch.arange(240) % 10).to(torch.uint8)
+    labels = (torch.arange(480) % 10).to(torch.uint8)
     labels[7] = 12
     (root / "bad_labels/train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx_bytes(labels)))
     (root / "file").write_text("not a folder")

@@ -1,13 +1,13 @@
 """The whole training run: ddptrain's recipe, the standard official-DDP loop, the no-comm floor.
 
-    python -m ddptrain.bench --recipe                   # world size 2, one epoch each (469 steps)
+    python -m ddptrain.bench --recipe                   # world size 2, one epoch each (235 steps)
     python -m ddptrain.bench --recipe --quick           # smoke run (seconds)
     python -m ddptrain.bench --recipe --world-size 3 --epochs 2 --repeats 2 --out bench-results/r3
-    python -m ddptrain.bench --recipe --recipe-args "--width 1 --global-batch-size 256"
+    python -m ddptrain.bench --recipe --recipe-args "--width 1 --global-batch-size 128"
 
 Same data (Fashion-MNIST from /usr/share/datasets/fashion-mnist, else synthetic images of its
-shape), same LeNet and SGD settings (recipes/mnist.py's flags, defaults unless --recipe-args),
-same number of optimizer steps, one thread per rank:
+shape), same LeNet (BatchNorm, memory layout) and SGD settings (recipes/mnist.py's flags,
+defaults unless --recipe-args), same number of optimizer steps, one thread per rank:
 - ddptrain: the recipe's Trainer (recipes/mnist.py's MNISTTrainer) with no evaluation set, so
   its wall time is training only;
 - standard: the loop of pytorch/examples: torch's DistributedDataParallel, DistributedSampler,
@@ -140,9 +140,10 @@ def _run_standard(args: argparse.Namespace, recipe_args: argparse.Namespace) -> 
     )
     # Local BatchNorm even for --sync-batchnorm: torch's SyncBatchNorm runs on CUDA only.
     batchnorm = recipe_args.batchnorm or recipe_args.sync_batchnorm
-    model = TorchDDP(
-        LeNet(dropout=recipe_args.dropout, width=recipe_args.width, batchnorm=batchnorm)
-    )
+    module = LeNet(dropout=recipe_args.dropout, width=recipe_args.width, batchnorm=batchnorm)
+    if recipe_args.channels_last:
+        module = module.to(memory_format=torch.channels_last)
+    model = TorchDDP(module)
     optimizer = torch.optim.SGD(
         model.parameters(),
         lr=recipe_args.lr,
@@ -251,7 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2)
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, default=None, help="optimizer steps per variant")
-    length.add_argument("--epochs", type=int, default=None, help="default 1 (469 steps at 128)")
+    length.add_argument("--epochs", type=int, default=None, help="default 1 (235 steps at 256)")
     p.add_argument("--repeats", type=int, default=1, help="runs of every variant, order rotated")
     p.add_argument(
         "--data",
