@@ -80,6 +80,8 @@ def _summarize_ring(per_rank: list[dict[str, dict[int, list[float]]]]) -> list[d
             # Algorithm bandwidth: tensor bytes / time, the number nccl-tests call algbw.
             row[f"{kind}_gbps"] = mb * 2**20 / seconds / 1e9
         row["ring_vs_backend"] = row["ring_gbps"] / row["backend_gbps"]
+        if "shm_ms" in row and "add_copy_ms" in row:
+            row["shm_vs_bound"] = row["shm_ms"] / row["add_copy_ms"]
         rows.append(row)
     return rows
 
@@ -124,10 +126,11 @@ def format_table(result: dict[str, Any]) -> str:
     if "ring" in result:
         kinds = [k[:-3] for k in result["ring"][0] if k.endswith("_ms")]
         lines += ["", f"{'size MB':>7} " + " ".join(f"{k + ' GB/s':>12}" for k in kinds)]
-        lines[-1] += f" {'ring/backend':>12}"
+        lines[-1] += f" {'ring/backend':>12} {'shm/add_copy':>12}"
         for r in result["ring"]:
             cells = " ".join(f"{r[k + '_gbps']:>12.3f}" for k in kinds)
-            lines.append(f"{r['size_mb']:>7} {cells} {r['ring_vs_backend']:>12.2f}")
+            bound = _fmt(r.get("shm_vs_bound"), ".2f")
+            lines.append(f"{r['size_mb']:>7} {cells} {r['ring_vs_backend']:>12.2f} {bound:>12}")
     return "\n".join(lines)
 
 
@@ -166,6 +169,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
             "ring": "hand-written ring",
             "backend": "backend all_reduce",
             "shm": "shared memory",
+            "add_copy": "bound: one thread's add + copy",
         }
         for kind, label in labels.items():
             if f"{kind}_gbps" in result["ring"][0]:

@@ -236,7 +236,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _bench_ring(sizes_mb: tuple[int, ...], reps: int, device: torch.device) -> dict[str, Any]:
-    """Seconds per in-place SUM all_reduce: hand-written ring, backend, shared memory (CPU)."""
+    """Seconds per in-place SUM all_reduce: hand-written ring, backend, shared memory (CPU), and
+    the bound one thread's add + copy of the same bytes sets (CPU)."""
     tensors = {mb: torch.ones(mb * 2**20 // 4, device=device) for mb in sizes_mb}
     kinds = {
         "ring": lambda t: ring_all_reduce(t),
@@ -247,6 +248,10 @@ def _bench_ring(sizes_mb: tuple[int, ...], reps: int, device: torch.device) -> d
         shm = SharedMemoryHook()
         shm_tensors = {mb: shm.allocate(t.numel(), t.dtype, device) for mb, t in tensors.items()}
         kinds["shm"] = lambda t: shm(t, None).wait()
+        # The memory-bandwidth bound of a reduction: one thread adds the same bytes into another
+        # buffer and copies them out (every rank at once, as the ranks' reductions share memory).
+        scratch = {mb: (torch.ones_like(t), torch.empty_like(t)) for mb, t in tensors.items()}
+        kinds["add_copy"] = lambda t: _add_copy(t, *scratch[t.numel() * 4 // 2**20])
     times: dict[str, dict[int, list[float]]] = {kind: {} for kind in kinds}
     for rep in range(reps + 1):
         for mb in sizes_mb:
@@ -261,6 +266,11 @@ def _bench_ring(sizes_mb: tuple[int, ...], reps: int, device: torch.device) -> d
                 if rep > 0:
                     times[kind].setdefault(mb, []).append(time.perf_counter() - start)
     return times
+
+
+def _add_copy(source: torch.Tensor, into: torch.Tensor, out: torch.Tensor) -> None:
+    into.add_(source)
+    out.copy_(into)
 
 
 def _keep_freed_memory() -> bool:

@@ -29,6 +29,9 @@ def test_quick_run_writes_the_expected_json(tmp_path):
     assert lenet["params"] == sum(p.numel() for p in model.parameters())
     [ring] = saved["ring"]
     assert ring["size_mb"] == 1 and ring["ring_gbps"] > 0 and ring["backend_gbps"] > 0
+    if "shm_ms" in ring:  # one host with /dev/shm: the bound is timed beside it
+        assert ring["add_copy_gbps"] > 0
+        assert ring["shm_vs_bound"] == pytest.approx(ring["shm_ms"] / ring["add_copy_ms"])
     pytest.importorskip("matplotlib")
     assert (tmp_path / "bench.png").stat().st_size > 10_000
 
@@ -40,7 +43,12 @@ def _raw(rank_scale: float) -> dict:
     timings = {v: [t * rank_scale for t in ts] for v, ts in steps.items()}
     return {
         "models": {"m": {"timings": timings, "cpu": timings, "params": 3, "bucket_bytes": [12]}},
-        "ring": {"ring": {1: [0.002, 0.002]}, "backend": {1: [0.001, 0.001]}},
+        "ring": {
+            "ring": {1: [0.002, 0.002]},
+            "backend": {1: [0.001, 0.001]},
+            "shm": {1: [0.0006, 0.0004]},
+            "add_copy": {1: [0.0004, 0.0004]},
+        },
     }
 
 
@@ -55,4 +63,6 @@ def test_summary_takes_the_slowest_rank_then_the_median():
     assert result["models"]["m"]["hidden_fraction"] == pytest.approx(1 - 8.0 / 8.0)
     [ring] = result["ring"]
     assert ring["ring_vs_backend"] == pytest.approx(0.5)
+    # The median over repetitions of the slowest rank: shm 0.6 and 0.4 ms -> 0.5; bound 0.4.
+    assert ring["shm_vs_bound"] == pytest.approx(0.5 / 0.4)
     assert "ddptrain" in bench_report.format_table(result)
