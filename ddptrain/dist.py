@@ -73,6 +73,21 @@ def resolve_device(backend: str, local_rank: int, cuda_count: int) -> torch.devi
     return torch.device("cuda", local_rank)
 
 
+_file_groups = 0
+
+
+def _fresh_file(method: str) -> str:
+    """A file:// rendezvous used again in this process gets a suffix: torch's FileStore needs a
+    new file per group, and a peer that has not yet let go of the old one leaves the last
+    group's keys in it (a second Trainer.fit() in one process then connected to dead sockets).
+    Every rank creates its groups in the same order, so all pick the same name."""
+    global _file_groups
+    if not method.startswith("file://"):
+        return method
+    _file_groups += 1
+    return method if _file_groups == 1 else f"{method}.{_file_groups}"
+
+
 def init_distributed(
     backend: str | None = None,
     init_method: str | None = None,
@@ -82,7 +97,8 @@ def init_distributed(
     """Join (or create) the default process group and return where this process sits.
 
     `init_method` accepts "env://", "tcp://host:port" and "file:///path"; left as None it is
-    taken from the launcher. Calling it again when a group exists returns the current info.
+    taken from the launcher. Calling it again when a group exists returns the current info;
+    after shutdown() it creates a new group (the n-th on a file:// path uses "path.n").
     """
     launch = parse_env(os.environ if env is None else env, expand_hosts=_expand_hosts)
     cuda_available = torch.cuda.is_available()
@@ -107,7 +123,7 @@ def init_distributed(
         if method == "env://":
             kwargs["store"] = _env_store(launch, timeout)
         else:
-            kwargs["init_method"] = method
+            kwargs["init_method"] = _fresh_file(method)
         dist.init_process_group(
             backend=backend,
             rank=launch.rank,

@@ -66,6 +66,18 @@ def test_trains_and_loss_falls_at_world_size_2(tmp_path):
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
+def _fit_three_times(config: TrainerConfig) -> list[int]:
+    return [ToyTrainer(config).fit()["step"] for _ in range(3)]
+
+
+def test_fit_again_in_the_same_processes_creates_a_fresh_group(tmp_path):
+    """Three fit() calls in one pair of processes, each creating and destroying the group on
+    spawn's file:// rendezvous, all train (the second used to meet the first's stale keys)."""
+    cfg = _config(tmp_path, epochs=1, checkpoint_dir=None, log_dir=None)
+    steps = ddptrain.spawn(_fit_three_times, 2, cfg, timeout_s=120)
+    assert steps == [[8, 8, 8]] * 2
+
+
 def test_eval_counts_every_sample_exactly_once(tmp_path, world_size):
     """10 eval samples are scored exactly 10 times at world sizes 1 and 3 (no padding)."""
     cfg = _config(tmp_path, epochs=1, checkpoint_dir=None)
@@ -93,8 +105,7 @@ def test_resume_at_another_world_size(tmp_path):
     # Smooth model: the other world size sums each batch in another order, and through ReLU
     # such last-bit differences can grow over 19 momentum steps (to 1e-4 on some CPUs); with
     # tanh they stay ulp-sized. Measured on a 2-core AMD EPYC: see the printed max|diff|.
-    # Separate process starts: a second fit() re-initialising the group on the same file://
-    # rendezvous in one process can hang (seen here), and a fresh process is the real resume.
+    # Separate process starts: a fresh process is what a real resume is.
     straight_cfg = _config(tmp_path / "a")
     straight = ddptrain.spawn(_run_fit, 2, straight_cfg, 0.0, None, True, timeout_s=120)[0]
     with pytest.raises(ddptrain.WorkerError, match="simulated crash"):
