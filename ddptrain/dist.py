@@ -73,19 +73,25 @@ def resolve_device(backend: str, local_rank: int, cuda_count: int) -> torch.devi
     return torch.device("cuda", local_rank)
 
 
-_file_groups = 0
+# Default groups this process has created. A rendezvous used again (a second Trainer.fit()
+# after the first destroyed its group) must not show the new group the last one's keys: torch
+# numbers groups from 0 again, so ranks would read dead addresses and fail or hang. Every rank
+# creates its groups in the same order, so all agree on the number.
+_groups_created = 0
 
 
-def _fresh_file(method: str) -> str:
-    """A file:// rendezvous used again in this process gets a suffix: torch's FileStore needs a
-    new file per group, and a peer that has not yet let go of the old one leaves the last
-    group's keys in it (a second Trainer.fit() in one process then connected to dead sockets).
-    Every rank creates its groups in the same order, so all pick the same name."""
-    global _file_groups
-    if not method.startswith("file://"):
+def _next_group() -> int:
+    global _groups_created
+    _groups_created += 1
+    return _groups_created
+
+
+def _fresh_file(method: str, group: int) -> str:
+    """The n-th group on a file:// path uses "path.n": torch's FileStore needs a new file per
+    group, and a peer still holding the old one keeps it alive with the last group's keys."""
+    if not method.startswith("file://") or group == 1:
         return method
-    _file_groups += 1
-    return method if _file_groups == 1 else f"{method}.{_file_groups}"
+    return f"{method}.{group}"
 
 
 def init_distributed(
@@ -119,11 +125,12 @@ def init_distributed(
     if device.type == "cuda":
         kwargs["device_id"] = device
     timeout = datetime.timedelta(seconds=timeout_s)
+    group = _next_group()
     try:
         if method == "env://":
-            kwargs["store"] = _env_store(launch, timeout)
+            kwargs["store"] = _env_store(launch, timeout, group)
         else:
-            kwargs["init_method"] = _fresh_file(method)
+            kwargs["init_method"] = _fresh_file(method, group)
         dist.init_process_group(
             backend=backend,
             rank=launch.rank,
@@ -170,11 +177,12 @@ def _expand_hosts(nodelist: str) -> list[str]:
         return out.stdout.split()
 
 
-def _env_store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
-    """The env:// store, with keys private to this restart attempt.
+def _env_store(launch: LaunchEnv, timeout: datetime.timedelta, group: int) -> dist.Store:
+    """The env:// store, with keys private to this restart attempt and this process's n-th group.
 
     Under torchrun the agent hosts one store for every attempt of the job; without a prefix a
-    restarted rank can read the dead attempt's addresses and fail to connect, or hang.
+    restarted rank can read the dead attempt's addresses and fail to connect, or hang (and so
+    can a second group created in the same processes).
     """
     store = dist.TCPStore(
         launch.master_addr,
@@ -184,7 +192,7 @@ def _env_store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
         timeout=timeout,
         multi_tenant=True,
     )
-    return dist.PrefixStore(f"ddptrain/attempt_{launch.restart_count}", store)
+    return dist.PrefixStore(f"ddptrain/attempt_{launch.restart_count}/group_{group}", store)
 
 
 def _address_in_use(method: str, launch: LaunchEnv) -> str:

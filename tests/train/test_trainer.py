@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,6 +80,34 @@ def test_fit_again_in_the_same_processes_creates_a_fresh_group(tmp_path):
     cfg = _config(tmp_path, epochs=1, checkpoint_dir=None, log_dir=None)
     steps = ddptrain.spawn(_fit_three_times, 2, cfg, timeout_s=120)
     assert steps == [[8, 8, 8]] * 2
+
+
+_FIT_THREE_TIMES = """
+from pathlib import Path
+import test_trainer
+cfg = test_trainer._config(Path({tmp!r}), epochs=1, checkpoint_dir=None, log_dir=None)
+print("steps", test_trainer._fit_three_times(cfg), flush=True)
+"""
+
+
+def test_fit_again_under_torchrun_uses_fresh_store_keys(tmp_path):
+    """Under torchrun (env://, the agent's store outlives each group) three fit() calls in the
+    same ranks all train instead of hanging on the first group's keys."""
+    script = tmp_path / "three_fits.py"
+    script.write_text(_FIT_THREE_TIMES.format(tmp=str(tmp_path)))
+    here = Path(__file__).resolve().parent
+    path = [str(here), str(here.parent), str(here.parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    done = subprocess.run(
+        [*torchrun, "--nproc_per_node=2", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.count("steps [8, 8, 8]") == 2, done.stdout[-2000:]
 
 
 def test_eval_counts_every_sample_exactly_once(tmp_path, world_size):
