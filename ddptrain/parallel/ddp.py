@@ -274,6 +274,10 @@ class DistributedDataParallel(nn.Module):
         bucket = self._param_bucket[index]
         with profiling.mark("ddptrain.fill bucket", bucket):
             self._fill_view(index, param.grad)
+        if self._grad_is_view[index]:
+            # Point .grad at its slot now, not when backward ends: autograd's private gradient
+            # is freed as soon as it is copied, so no rank holds a whole extra copy at its peak.
+            param.grad = self._views[index]
         step.pending[bucket] -= 1
         if step.pending[bucket] == 0:
             self._launch_ready_buckets()
