@@ -46,6 +46,7 @@ from ddptrain.parallel.buckets import (
     mb_to_bytes,
 )
 from ddptrain.parallel.comm import allreduce_hook
+from ddptrain.parallel.layout import memory_format, memory_order, view_like
 from ddptrain.parallel.replicas import broadcast_coalesced, coalesce, verify_same_model
 from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 
@@ -167,7 +168,7 @@ class DistributedDataParallel(nn.Module):
             offset = 0
             for i in members:
                 p = self._params[i]
-                self._views[i] = _view_like(flat[offset : offset + p.numel()], p)
+                self._views[i] = view_like(flat[offset : offset + p.numel()], p)
                 self._param_bucket[i] = b
                 offset += p.numel()
             self._buckets.append(flat)
@@ -302,10 +303,10 @@ class DistributedDataParallel(nn.Module):
                 self._scratch = torch.empty(_CAST_CHUNK, dtype=grad.dtype, device=grad.device)
             scale = 1.0 / divisor
             if grad.stride() != view.stride():
-                grad = grad.contiguous(memory_format=_memory_format(view))
+                grad = grad.contiguous(memory_format=memory_format(view))
             pieces = zip(
-                _memory_order(grad).split(_CAST_CHUNK),
-                _memory_order(view).split(_CAST_CHUNK),
+                memory_order(grad).split(_CAST_CHUNK),
+                memory_order(view).split(_CAST_CHUNK),
                 strict=True,
             )
             for source, target in pieces:
@@ -427,28 +428,3 @@ def _default_hook(module: nn.Module, group: Any) -> CommHook:
     """Shared-memory buckets when every rank is a CPU process on one host, else all_reduce."""
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())
     return SharedMemoryHook(group) if shared_memory_usable(group, on_cpu) else allreduce_hook
-
-
-def _view_like(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """`flat` (p.numel() elements) viewed with p's shape and, for channels_last, its strides: a
-    channels_last parameter gets a channels_last gradient view, as autograd would produce, so
-    accumulating into it is a plain pass instead of a transposing copy (as the official reducer
-    does)."""
-    dense = p.is_contiguous() or _memory_format(p) is not torch.contiguous_format
-    return flat.as_strided(p.shape, p.stride()) if dense else flat.view(p.shape)
-
-
-def _memory_order(t: torch.Tensor) -> torch.Tensor:
-    """A dense tensor's elements as a 1-D view in the order they lie in memory."""
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-    return t.permute(order).view(-1)
-
-
-def _memory_format(t: torch.Tensor) -> torch.memory_format:
-    """channels_last(_3d) for a 4-D (5-D) tensor laid out so and not also plainly contiguous."""
-    if t.is_contiguous():
-        return torch.contiguous_format
-    for dim, fmt in ((4, torch.channels_last), (5, torch.channels_last_3d)):
-        if t.dim() == dim and t.is_contiguous(memory_format=fmt):
-            return fmt
-    return torch.contiguous_format
