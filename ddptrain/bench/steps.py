@@ -250,8 +250,8 @@ def _bench_ring(sizes_mb: tuple[int, ...], reps: int, device: torch.device) -> d
         kinds["shm"] = lambda t: shm(t, None).wait()
         # The memory-bandwidth bound of a reduction: one thread adds the same bytes into another
         # buffer and copies them out (every rank at once, as the ranks' reductions share memory).
-        scratch = {mb: (torch.ones_like(t), torch.empty_like(t)) for mb, t in tensors.items()}
-        kinds["add_copy"] = lambda t: _add_copy(t, *scratch[t.numel() * 4 // 2**20])
+        scratch = {t.numel(): (torch.ones_like(t), torch.empty_like(t)) for t in tensors.values()}
+        kinds["add_copy"] = lambda t: _add_copy(t, *scratch[t.numel()])
     times: dict[str, dict[int, list[float]]] = {kind: {} for kind in kinds}
     for rep in range(reps + 1):
         for mb in sizes_mb:
