@@ -13,12 +13,8 @@ permitted, the test is skipped with the error.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
 import subprocess
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,101 +22,20 @@ import spawned_refs
 import torch
 
 import ddptrain
+from ddptrain.netns import RDZV_PORT, HostsUnavailable, kill_tree, torchrun, two_hosts
 
 JOB = Path(__file__).resolve().parent / "multinode_job.py"
-SUBNET = "10.231.77"
-RDZV_PORT = 29400
 TIMEOUT_S = 180
-# Real hosts share no /dev/shm either; `ip netns exec` runs in a mount namespace of its own, so
-# this tmpfs is private to one fake host and vanishes with its last process.
-_PRIVATE_SHM = 'mount -t tmpfs ddpt-shm /dev/shm && exec "$@"'
 
 
-@dataclass(frozen=True)
-class Host:
-    """One fake host: a network namespace, its end of the veth pair, and that end's address."""
-
-    netns: str
-    ifname: str
-    addr: str
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
-def _unavailable(reason: str) -> None:
-    pytest.skip(f"needs root and ip netns: {reason}")
-
-
-@pytest.fixture
-def two_hosts():
-    """Two namespaces joined by a veth pair, always deleted afterwards."""
-    if os.geteuid() != 0:
-        _unavailable(f"running as uid {os.geteuid()}, not root")
-    if shutil.which("ip") is None:
-        _unavailable("the `ip` command (iproute2) is not installed")
-    pid = os.getpid()
-    # Interface names are limited to 15 characters; the pid keeps concurrent runs apart.
-    a = Host(f"ddpt-a-{pid}", f"dpta{pid}", f"{SUBNET}.1")
-    b = Host(f"ddpt-b-{pid}", f"dptb{pid}", f"{SUBNET}.2")
-    created: list[str] = []
+@pytest.fixture(name="two_hosts")
+def two_hosts_fixture():
+    """Two namespaces joined by a veth pair (ddptrain.netns), always deleted afterwards."""
     try:
-        try:
-            for host in (a, b):
-                _ip("netns", "add", host.netns)
-                created.append(host.netns)
-            veth_a = ["link", "add", a.ifname, "netns", a.netns, "type", "veth"]
-            _ip(*veth_a, "peer", "name", b.ifname, "netns", b.netns)
-            for host in (a, b):
-                _ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", host.ifname)
-                _ip("-n", host.netns, "link", "set", "lo", "up")
-                _ip("-n", host.netns, "link", "set", host.ifname, "up")
-        except subprocess.CalledProcessError as exc:
-            _unavailable(f"`{' '.join(exc.cmd)}` failed: {exc.stderr.strip()}")
-        yield a, b
-    finally:
-        for netns in created:
-            subprocess.run(["ip", "netns", "delete", netns], capture_output=True, timeout=30)
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    if "GLOO_SOCKET_IFNAME" not in extra:
-        env.pop("GLOO_SOCKET_IFNAME", None)
-    return env
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_tree(proc: subprocess.Popen) -> None:
-    # torchrun starts each worker in a new session, so killing torchrun's process group would
-    # orphan the workers; kill every descendant by pid instead.
-    for pid in [proc.pid, *_descendants(proc.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
+        with two_hosts("ddpt") as hosts:
+            yield hosts
+    except HostsUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def _run_all(
@@ -148,17 +63,13 @@ def _run_all(
     finally:
         for proc in procs:
             if proc.poll() is None:
-                _kill_tree(proc)
+                kill_tree(proc)
     outputs = [log.read_text() for log in logs]
     report = "\n".join(
         f"--- {' '.join(c)}\n{o[-4000:]}" for c, o in zip(commands, outputs, strict=True)
     )
     assert codes is not None, f"timed out after {TIMEOUT_S} s\n{report}"
     assert codes == [0] * len(commands), f"exit codes {codes}\n{report}"
-
-
-def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--max-restarts=0", *args]
 
 
 def _load(path: Path) -> dict:
@@ -181,26 +92,10 @@ def test_two_namespaces_equal_one_host_of_four(two_hosts, tmp_path):
     multi_out = tmp_path / "two_nodes.pt"
     commands, envs = [], []
     for host in (a, b):
-        # The rendezvous host cannot recognize 10.231.77.1 as itself (the hostname resolves to
-        # loopback), so who hosts the store is said explicitly; likewise gloo would advertise
-        # the hostname's loopback address to peers without GLOO_SOCKET_IFNAME.
-        is_host = int(host is a)
-        commands.append(
-            ["ip", "netns", "exec", host.netns, "sh", "-c", _PRIVATE_SHM, "sh"]
-            + _torchrun(
-                "--nnodes=2",
-                "--nproc_per_node=2",
-                "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={a.addr}:{RDZV_PORT}",
-                f"--rdzv-id=ddptrain-multinode-{os.getpid()}",
-                f"--rdzv-conf=is_host={is_host},join_timeout=120",
-                f"--local-addr={host.addr}",
-                str(JOB),
-                "--out",
-                str(multi_out),
-            )
-        )
-        envs.append(_clean_env(GLOO_SOCKET_IFNAME=host.ifname))
+        job = [str(JOB), "--out", str(multi_out)]
+        rdzv_id = f"ddptrain-multinode-{os.getpid()}"
+        commands.append(torchrun(host, a, nnodes=2, nproc_per_node=2, rdzv_id=rdzv_id, args=job))
+        envs.append(host.env())
     ref_out = tmp_path / "one_node.pt"
     # The single-host reference runs alongside: the launchers mostly wait on start-up and
     # rendezvous, and separate network namespaces keep the runs apart. It pins gloo's
