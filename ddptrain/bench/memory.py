@@ -8,9 +8,12 @@ Each variant gets its own world (a process's peak RSS covers its whole life), bu
 runs --steps training steps (zero_grad, forward, backward, SGD step) on random data and reports
 per rank: the peak RSS (getrusage ru_maxrss, which includes the pages of shared memory the rank
 touched), the shared-memory files it maps (/dev/shm/ddptrain-*, from /proc/self/maps; unlinked
-once mapped) and the resident part of those (RssShmem). "peak + shm" counts every mapped
-shared byte in full in every rank that maps it: peak RSS - RssShmem + mapped. glibc keeps its
-default (adaptive) thresholds here, as users get them. Writes <out>/memory.json.
+once mapped) and the resident part of those (RssShmem). Two ways to count the shared rows:
+- "peak + shm" counts every mapped shared byte in full in every rank that maps it: peak RSS -
+  RssShmem + mapped (the most a rank can be charged);
+- "host share" counts each shared file once per host, split evenly among the world_size ranks
+  that map it: peak RSS - RssShmem + mapped / world_size (the host's memory per rank).
+glibc keeps its default (adaptive) thresholds here, as users get them. Writes <out>/memory.json.
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ from ddptrain.bench.steps import MODELS
 from ddptrain.parallel.ddp import DistributedDataParallel
 
 VARIANTS = ("ddptrain", "torch_ddp", "local")
+_FIGURES = ("peak_rss_bytes", "shm_mapped_bytes", "peak_with_shm_bytes", "peak_host_share_bytes")
+# Each count's gap to official DDP, in gradient copies.
+_GAPS = {
+    "peak_with_shm_bytes": "vs_torch_ddp_grad_copies",
+    "peak_host_share_bytes": "host_share_vs_torch_ddp_grad_copies",
+}
 SHM_PREFIX = "/dev/shm/ddptrain-"
 _MIB = 2**20
 
@@ -56,19 +65,27 @@ def status_bytes(status: str, key: str) -> int:
     return 0
 
 
-def _measure() -> dict[str, int]:
+def peak_figures(peak: int, shmem: int, mapped: int, world_size: int) -> dict[str, int]:
+    """A rank's peak RSS with its shared rows counted in full, and as its share of the host's
+    (every shared file is mapped by all world_size ranks) (pure)."""
+    private = peak - shmem
+    return {
+        "peak_rss_bytes": peak,
+        "shm_mapped_bytes": mapped,
+        "rss_shmem_bytes": shmem,
+        "peak_with_shm_bytes": private + mapped,
+        "peak_host_share_bytes": private + mapped // world_size,
+    }
+
+
+def _measure(world_size: int) -> dict[str, int]:
     with open("/proc/self/maps") as f:
         mapped = shm_mapped_bytes(f.read())
     with open("/proc/self/status") as f:
         shmem = status_bytes(f.read(), "RssShmem")
     # Linux reports ru_maxrss in KiB.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {
-        "peak_rss_bytes": peak,
-        "shm_mapped_bytes": mapped,
-        "rss_shmem_bytes": shmem,
-        "peak_with_shm_bytes": peak - shmem + mapped,
-    }
+    return peak_figures(peak, shmem, mapped, world_size)
 
 
 def _worker(model_name: str, variant: str, steps: int) -> dict[str, Any]:
@@ -93,7 +110,11 @@ def _worker(model_name: str, variant: str, steps: int) -> dict[str, Any]:
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
     params = sum(p.numel() * p.element_size() for p in module.parameters())
-    return {**_measure(), "rss_before_model_bytes": before_model, "param_bytes": params}
+    return {
+        **_measure(info.world_size),
+        "rss_before_model_bytes": before_model,
+        "param_bytes": params,
+    }
 
 
 def summarize(raw: dict[str, dict[str, list[dict]]], settings: dict[str, Any]) -> dict[str, Any]:
@@ -102,18 +123,14 @@ def summarize(raw: dict[str, dict[str, list[dict]]], settings: dict[str, Any]) -
     for name, variants in raw.items():
         rows = {}
         for v, ranks in variants.items():
-            rows[v] = {
-                key: max(r[key] for r in ranks)
-                for key in ("peak_rss_bytes", "shm_mapped_bytes", "peak_with_shm_bytes")
-            }
+            rows[v] = {key: max(r[key] for r in ranks) for key in _FIGURES}
             rows[v]["per_rank"] = ranks
         grad_bytes = next(iter(variants.values()))[0]["param_bytes"]
-        official = rows.get("torch_ddp", {}).get("peak_with_shm_bytes")
+        official = rows.get("torch_ddp")
         for row in rows.values():
             # In gradient-sized copies: the unit the wrappers' buffers come in.
-            row["vs_torch_ddp_grad_copies"] = (
-                (row["peak_with_shm_bytes"] - official) / grad_bytes if official else None
-            )
+            for key, gap in _GAPS.items():
+                row[gap] = (row[key] - official[key]) / grad_bytes if official else None
         models[name] = {"grad_bytes": grad_bytes, "variants": rows}
     return {"settings": settings, "models": models}
 
@@ -122,20 +139,22 @@ def format_table(result: dict[str, Any]) -> str:
     """The table printed at the end of a run (MiB; the worst rank)."""
     lines = [
         f"{'model':<8} {'variant':<10} {'peak RSS':>9} {'shm mapped':>10} {'peak+shm':>9} "
-        f"{'vs DDP (grads)':>14}"
+        f"{'vs DDP (grads)':>14} {'host share':>10} {'vs DDP (grads)':>14}"
     ]
     for name, entry in result["models"].items():
         for v, row in entry["variants"].items():
-            gap = row["vs_torch_ddp_grad_copies"]
-            peak, shm, both = (
-                row[k] / _MIB for k in ("peak_rss_bytes", "shm_mapped_bytes", "peak_with_shm_bytes")
-            )
+            peak, shm, both, share = (row[k] / _MIB for k in _FIGURES)
+            full, shared = (_signed(row[gap]) for gap in _GAPS.values())
             lines.append(
-                f"{name:<8} {v:<10} {peak:>9.1f} {shm:>10.1f} {both:>9.1f} "
-                f"{'-' if gap is None else f'{gap:+.2f}':>14}"
+                f"{name:<8} {v:<10} {peak:>9.1f} {shm:>10.1f} {both:>9.1f} {full:>14} "
+                f"{share:>10.1f} {shared:>14}"
             )
         lines.append(f"{name:<8} one gradient copy = {entry['grad_bytes'] / _MIB:.1f} MiB")
     return "\n".join(lines)
+
+
+def _signed(gap: float | None) -> str:
+    return "-" if gap is None else f"{gap:+.2f}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

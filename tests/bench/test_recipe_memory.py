@@ -78,6 +78,19 @@ def test_memory_quick_run_reports_positive_figures(tmp_path):
     if ours["shm_mapped_bytes"]:
         assert ours["shm_mapped_bytes"] >= mlp["grad_bytes"]
     assert mlp["variants"]["torch_ddp"]["vs_torch_ddp_grad_copies"] == 0.0
+    assert mlp["variants"]["torch_ddp"]["host_share_vs_torch_ddp_grad_copies"] == 0.0
+    assert "host share" in memory.format_table(saved)
+
+
+def test_host_share_counts_each_shared_file_once_per_host():
+    """Shared rows: in full per rank for peak+shm, split among the ranks for the host share."""
+    mib = 2**20
+    # 300 MiB peak of which 96 MiB are touched shared pages; 128 MiB mapped by 2 ranks.
+    f = memory.peak_figures(300 * mib, 96 * mib, 128 * mib, world_size=2)
+    assert f["peak_with_shm_bytes"] == (300 - 96 + 128) * mib
+    assert f["peak_host_share_bytes"] == (300 - 96 + 64) * mib
+    private = memory.peak_figures(300 * mib, 0, 0, world_size=4)
+    assert private["peak_with_shm_bytes"] == private["peak_host_share_bytes"] == 300 * mib
 
 
 MAPS = """\
