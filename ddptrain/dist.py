@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.launchers import INIT_METHOD_ENV as INIT_METHOD_ENV  # spawn and tests set it here
-from ddptrain.launchers import LaunchEnv, LaunchError, expand_nodelist, parse_env
+from ddptrain.launchers import LaunchEnv, LaunchError, detect_launcher, expand_nodelist, parse_env
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -213,6 +213,11 @@ def _address_in_use(method: str, launch: LaunchEnv) -> str:
         f"there; pick a free port ({fix}) or stop the process holding it (a previous run "
         "still alive?)"
     )
+
+
+def launched_by() -> str:
+    """The launcher that started this process ("single" when none did), before any group exists."""
+    return detect_launcher(os.environ)
 
 
 def current_info() -> DistInfo:

@@ -1,11 +1,18 @@
-"""`python -m ddptrain.bench [--recipe | --memory] ...`: step times, the whole run, or memory."""
+"""`python -m ddptrain.bench [--recipe | --memory | --two-hosts] ...`: step times, the whole
+run, memory, or step times across two hosts made in this machine."""
 
 import sys
 
-from ddptrain.bench import memory, recipe, steps
+from ddptrain.bench import hosts, memory, recipe, steps
+from ddptrain.netns import HostsUnavailable
 
 argv = sys.argv[1:]
-if "--recipe" in argv:
+if "--two-hosts" in argv:
+    try:
+        hosts.main(argv)
+    except (HostsUnavailable, hosts.RunFailed) as e:
+        sys.exit(f"error: {e}")
+elif "--recipe" in argv:
     recipe.main(argv)
 elif "--memory" in argv:
     memory.main(argv)

@@ -6,6 +6,8 @@
     python -m ddptrain.bench --world-size 3 --out bench-results/ws3
     python -m ddptrain.bench --models mlp,lenet --extras adamw,zero,zero-sgd   # ZeRO stage 1
     python -m ddptrain.bench --models mlp --extras gloo --ladder   # docs/walkthrough.md's steps
+    torchrun --nproc_per_node=2 -m ddptrain.bench --quick   # ranks from a launcher, any hosts
+    python -m ddptrain.bench --two-hosts --quick    # two network namespaces (bench/hosts.py)
 
 All variants live in the same processes and take turns (the order rotates every round), so
 machine noise hits them alike. Each turn is a block of --block steps run back to back, as in
@@ -14,6 +16,11 @@ the block's (slowest rank's) / block, and the table shows medians. "exposed comm
 time minus the compute-only floor ("local": the same step with no communication); "comm alone"
 is the wrapper's bucket reductions with no compute, so hidden = 1 - exposed / comm alone.
 Writes <out>/bench.json, and <out>/bench.png when matplotlib is installed (extra "plot").
+
+Started by a launcher (torchrun, srun, mpirun: launcher variables set), every process is one
+rank and rank 0 writes the results; --world-size is then the launcher's. Otherwise the bench
+spawns its own ranks on this host. The JSON's settings say which launcher and hosts ran it
+and how the wrapper's buckets were reduced: "shared_memory" (one host) or "backend".
 """
 
 from __future__ import annotations
@@ -32,10 +39,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
+from ddptrain.bench.placement import bucket_transport, hosts, this_host, transport
 from ddptrain.bench.report import format_table, machine, plot, summarize
+from ddptrain.dist import LaunchError, launched_by
 from ddptrain.models import LeNet
 from ddptrain.parallel.comm import allreduce_hook, make_hook, ring_all_reduce
 from ddptrain.parallel.ddp import DistributedDataParallel
@@ -226,8 +236,11 @@ def _bench_model(
                 timings[v].append((time.perf_counter() - start) / block)
                 cpu[v].append((time.process_time() - start_cpu) / block)
     n_params = sum(p.numel() for p in base.parameters())
-    buckets = ours.bucket_sizes_bytes if isinstance(ours, DistributedDataParallel) else []
-    return {"timings": timings, "cpu": cpu, "params": n_params, "bucket_bytes": buckets}
+    out = {"timings": timings, "cpu": cpu, "params": n_params, "bucket_bytes": []}
+    if isinstance(ours, DistributedDataParallel):
+        out["bucket_bytes"] = ours.bucket_sizes_bytes
+        out["transport"] = bucket_transport(ours)
+    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -305,13 +318,17 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     out["backend"] = info.backend
     out["malloc_fixed_thresholds"] = malloc_fixed
     out["device"] = str(info.device)
+    out["launcher"] = info.launcher
+    out["host"] = this_host()
     return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; --quick shrinks everything to a smoke run."""
     p = argparse.ArgumentParser(prog="python -m ddptrain.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument(
+        "--world-size", type=int, default=None, help="ranks to spawn (default 2; a launcher's own)"
+    )
     p.add_argument("--models", default="lenet,mlp,convnet", help=f"subset of {','.join(MODELS)}")
     p.add_argument(
         "--steps", type=int, default=0, help="timed steps per variant (default: per model)"
@@ -351,15 +368,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark, print the tables, write bench.json (and bench.png); return the result."""
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Run the benchmark, print the tables, write bench.json (and bench.png); return the result
+    (None on ranks other than 0 under a launcher)."""
     args = parse_args(argv)
     load_before = os.getloadavg()
-    raw = ddptrain.spawn(
-        _worker, args.world_size, args, timeout_s=args.timeout_s, threads_per_rank=args.threads
-    )
+    if launched_by() == "single":
+        world_size = args.world_size or 2
+        raw = ddptrain.spawn(
+            _worker, world_size, args, timeout_s=args.timeout_s, threads_per_rank=args.threads
+        )
+    else:
+        raw = _launched(args)
+        if raw is None:
+            return None
     settings = {
-        "world_size": args.world_size,
+        "world_size": len(raw),
+        "launcher": raw[0]["launcher"],
+        "hosts": hosts(raw),
+        "bucket_transport": transport(raw),
         "backend": raw[0]["backend"],
         "device": raw[0]["device"],
         "threads_per_rank": args.threads,
@@ -376,8 +403,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(result, indent=1))
     print(format_table(result))
+    print(
+        f"{len(raw)} ranks on {len(settings['hosts'])} host(s) via {settings['launcher']}; "
+        f"the wrapper's buckets went over {settings['bucket_transport']}"
+    )
     if not args.no_plot and plot(result, args.out / "bench.png"):
         print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.png'}")
     else:
         print(f"wrote {args.out / 'bench.json'}")
     return result
+
+
+@record
+def _launched(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """This process is one rank of a launcher's world: bench here, every rank's raw results to
+    rank 0 (None elsewhere)."""
+    torch.set_num_threads(args.threads)
+    try:
+        world_size = ddptrain.init_distributed(backend=args.backend).world_size
+        if args.world_size not in (None, world_size):
+            raise LaunchError(
+                f"--world-size {args.world_size} but the launcher started {world_size} ranks; "
+                "leave --world-size out (the launcher sets it, e.g. torchrun --nproc_per_node)"
+            )
+        raw = _worker(args)
+        gathered: list[Any] | None = [None] * world_size if dist.get_rank() == 0 else None
+        dist.gather_object(raw, gathered, dst=0)
+    finally:
+        ddptrain.shutdown()
+    return gathered

@@ -1,0 +1,150 @@
+"""The step bench across two hosts made inside this machine: gloo over TCP, no shared memory.
+
+    python -m ddptrain.bench --two-hosts --extras none          # root; world size 2, minutes
+    python -m ddptrain.bench --two-hosts --quick --out bench-results/two-hosts   # seconds
+    python -m ddptrain.bench --two-hosts --ranks-per-host 2     # world size 4
+
+Makes two fake hosts (ddptrain.netns: network namespaces joined by a veth pair, every command
+with a /dev/shm of its own, so the wrapper cannot reduce in shared memory and uses the
+backend's all_reduce over the veth, as between real hosts), starts one torchrun per host that
+runs `python -m ddptrain.bench` with the other flags, and waits up to --timeout-s. On a
+failure or timeout both launchers are killed with every process they started; the namespaces
+are deleted whatever happens. Rank 0, on host a, writes <out>/bench.json (and bench.png), whose
+settings name both hosts, say "bucket_transport": "backend", and describe the link
+("two_hosts"). Needs root and iproute2; says so otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ddptrain.bench import steps
+from ddptrain.netns import Host, kill_tree, torchrun, two_hosts
+
+_POLL_S = 0.2
+_LOG_TAIL_CHARS = 4000
+
+
+class RunFailed(RuntimeError):
+    """A launcher failed or the run timed out; carries the end of both launchers' output."""
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], argparse.Namespace]:
+    """(runner options, the bench's own flags, those flags parsed); bad flags exit as usual."""
+    p = argparse.ArgumentParser(
+        prog="python -m ddptrain.bench --two-hosts",
+        description=__doc__.split("\n")[0],
+        epilog="Every other flag is the step bench's (python -m ddptrain.bench --help).",
+    )
+    p.add_argument("--two-hosts", action="store_true", required=True)
+    p.add_argument("--ranks-per-host", type=int, default=1, help="torchrun's --nproc_per_node")
+    runner, bench_argv = p.parse_known_args(argv)
+    if runner.ranks_per_host < 1:
+        p.error(f"--ranks-per-host must be >= 1, got {runner.ranks_per_host}")
+    bench = steps.parse_args(bench_argv)
+    if bench.world_size is not None:
+        p.error("--world-size does not apply: the world is 2 x --ranks-per-host")
+    return runner, bench_argv, bench
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the step bench on two fake hosts; return the result rank 0 wrote to bench.json."""
+    runner, bench_argv, bench = parse_args(list(sys.argv[1:] if argv is None else argv))
+    out = bench.out.resolve()
+    # The later --out wins: rank 0 writes where this process expects, whatever its cwd.
+    module_args = ["-m", "ddptrain.bench", *bench_argv, "--out", str(out)]
+    with _terminate_as_exit(), two_hosts("ddpb") as (a, b):
+        rdzv_id = f"ddptrain-bench-{os.getpid()}"
+        commands = [
+            torchrun(
+                host,
+                a,
+                nnodes=2,
+                nproc_per_node=runner.ranks_per_host,
+                rdzv_id=rdzv_id,
+                args=module_args,
+            )
+            for host in (a, b)
+        ]
+        envs = [host.env(OMP_NUM_THREADS=str(bench.threads)) for host in (a, b)]
+        output = _run(commands, envs, bench.timeout_s)
+    print(output, end="", flush=True)
+    result = json.loads((out / "bench.json").read_text())
+    result["settings"]["two_hosts"] = _link(a, b, runner.ranks_per_host)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _link(a: Host, b: Host, ranks_per_host: int) -> dict[str, Any]:
+    return {
+        "link": "veth pair between two network namespaces on one machine",
+        "hosts": [{"netns": h.netns, "ifname": h.ifname, "addr": h.addr} for h in (a, b)],
+        "ranks_per_host": ranks_per_host,
+        "private_dev_shm": True,
+    }
+
+
+def _run(commands: list[list[str]], envs: list[dict[str, str]], timeout_s: float) -> str:
+    """Run the launchers together; the first one's output, or RunFailed with both outputs."""
+    with tempfile.TemporaryDirectory(prefix="ddptrain-two-hosts-") as logs:
+        paths = [Path(logs) / f"host-{name}.log" for name in "ab"[: len(commands)]]
+        procs = []
+        codes: list[int | None] = [None] * len(commands)
+        try:
+            for command, env, path in zip(commands, envs, paths, strict=True):
+                with path.open("w") as log:
+                    procs.append(
+                        subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+                    )
+            deadline = time.monotonic() + timeout_s
+            while True:
+                codes = [proc.poll() for proc in procs]
+                # One launcher failing leaves the other waiting for its peers until a timeout:
+                # stop both at once.
+                if all(c == 0 for c in codes) or any(c not in (None, 0) for c in codes):
+                    break
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(_POLL_S)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    kill_tree(proc)
+        outputs = [path.read_text() for path in paths]
+    if codes != [0] * len(commands):
+        why = f"timed out after {timeout_s:.0f} s" if None in codes else "failed"
+        tails = "\n".join(
+            f"--- host {name}: {' '.join(c)}\n{o[-_LOG_TAIL_CHARS:]}"
+            for name, c, o in zip("ab", commands, outputs, strict=False)
+        )
+        raise RunFailed(f"two-host bench {why} (launcher exit codes {codes})\n{tails}")
+    return outputs[0]
+
+
+@contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    # SIGTERM (a job scheduler's, `timeout`'s) would kill this process without unwinding, and
+    # leave the namespaces and both launchers behind; as SystemExit, cleanup runs.
+    def on_term(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread: leave SIGTERM alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,154 @@
+"""The step bench under an external launcher, and across two fake hosts (ddptrain.netns).
+
+    pytest tests/bench/test_bench_hosts.py -rs     # the two-host tests need root and `ip netns`
+
+Everything stays on loopback or on the private veth between the runner's own namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddptrain.bench import hosts as bench_hosts
+from ddptrain.bench import placement
+from ddptrain.bench import steps as bench
+from ddptrain.netns import HostsUnavailable, check_available, namespaces
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 180
+ALL_VARIANTS = list(bench.BASE_VARIANTS) + [f"ddptrain_{e}" for e in bench.EXTRAS]
+
+
+def _clean_env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _one_host_transport() -> str:
+    # What SharedMemoryHook.available() finds on one host: a /dev/shm every rank can write.
+    return "shared_memory" if os.access("/dev/shm", os.W_OK) else "backend"
+
+
+def test_under_torchrun_rank_0_writes_every_variant(tmp_path):
+    """torchrun --standalone x 2 runs the bench in its own ranks: one JSON, every variant, both
+    ranks on one host, launcher and bucket transport recorded."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    bench_args = ["-m", "ddptrain.bench", "--quick", "--no-plot", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [*torchrun, "--nproc_per_node=2", *bench_args],
+        cwd=tmp_path,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    # Only rank 0 reports.
+    assert done.stdout.count("wrote ") == 1, done.stdout
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    settings = saved["settings"]
+    assert settings["world_size"] == 2 and settings["launcher"] == "torchrun"
+    [host] = settings["hosts"]
+    assert host["ranks"] == [0, 1] and host["netns"] == os.readlink("/proc/self/ns/net")
+    assert settings["bucket_transport"] == _one_host_transport()
+    lenet = saved["models"]["lenet"]
+    assert list(lenet["variants"]) == ALL_VARIANTS
+    for name, row in lenet["variants"].items():
+        assert row["median_ms"] > 0 and row["cpu_ms"] > 0, name
+    assert lenet["variants"]["torch_ddp"]["vs_torch_ddp"] == 1.0
+
+
+def test_placement_groups_ranks_by_host_and_flags_mixed_transports():
+    """hosts() lists each distinct (hostname, netns) once with its ranks; transport() is "mixed"
+    only when models or ranks disagree."""
+
+    def rank(netns: str, *transports: str) -> dict:
+        models = {f"m{i}": {"transport": t} for i, t in enumerate(transports)}
+        return {"host": {"hostname": "h", "netns": netns}, "models": models}
+
+    raw = [rank("n1", "backend"), rank("n2", "backend"), rank("n1", "backend")]
+    assert placement.hosts(raw) == [
+        {"hostname": "h", "netns": "n1", "ranks": [0, 2]},
+        {"hostname": "h", "netns": "n2", "ranks": [1]},
+    ]
+    assert placement.transport(raw) == "backend"
+    assert placement.transport([rank("n1", "backend", "shared_memory")]) == "mixed"
+    assert placement.transport([{"host": {}, "models": {"m": {}}}]) is None
+
+
+@pytest.fixture
+def root_and_netns():
+    """Skip, with the reason, where this process cannot make network namespaces."""
+    try:
+        check_available()
+    except HostsUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _ours(pid: int) -> list[str]:
+    return [name for name in namespaces() if name.startswith("ddpb-") and name.endswith(f"-{pid}")]
+
+
+def test_two_hosts_reduce_over_the_backend_and_leave_no_namespace(root_and_netns, tmp_path):
+    """--two-hosts --quick: one rank in each of two namespaces, a JSON whose settings say the
+    wrapper's buckets went over the backend (not shared memory); the namespaces are gone after."""
+    argv = ["--two-hosts", "--quick", "--no-plot", "--out", str(tmp_path), "--timeout-s", "150"]
+    try:
+        result = bench_hosts.main(argv)
+    except HostsUnavailable as exc:
+        pytest.skip(str(exc))
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved == result
+    settings = saved["settings"]
+    assert settings["world_size"] == 2 and settings["launcher"] == "torchrun"
+    assert settings["bucket_transport"] == "backend"
+    first, second = settings["hosts"]
+    assert first["ranks"] == [0] and second["ranks"] == [1]
+    here = os.readlink("/proc/self/ns/net")
+    assert len({first["netns"], second["netns"], here}) == 3
+    link = settings["two_hosts"]
+    assert link["ranks_per_host"] == 1 and link["private_dev_shm"]
+    assert [h["addr"] for h in link["hosts"]] == ["10.231.77.1", "10.231.77.2"]
+    assert list(saved["models"]["lenet"]["variants"]) == ALL_VARIANTS
+    # No shared-memory column in the all-reduce sizes: the ranks saw no common /dev/shm.
+    [ring] = saved["ring"]
+    assert ring["backend_gbps"] > 0 and "shm_ms" not in ring
+    left = set(namespaces())
+    assert not left & {h["netns"] for h in link["hosts"]}
+    assert not _ours(os.getpid())
+
+
+def test_two_hosts_timeout_kills_the_launchers_and_deletes_the_namespaces(root_and_netns, tmp_path):
+    """A run past --timeout-s raises RunFailed naming the timeout; no namespace and no process
+    of it (launchers, ranks) is left."""
+    argv = ["--two-hosts", "--quick", "--no-plot", "--out", str(tmp_path), "--timeout-s", "6"]
+    try:
+        with pytest.raises(bench_hosts.RunFailed, match="timed out after 6 s"):
+            bench_hosts.main(argv)
+    except HostsUnavailable as exc:
+        pytest.skip(str(exc))
+    assert not _ours(os.getpid())
+    assert not _processes_naming(str(tmp_path))
+    assert not (tmp_path / "bench.json").exists()
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Command lines of live processes that contain `text`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if entry.isdigit() and text in cmdline:
+            found.append(cmdline)
+    return found
