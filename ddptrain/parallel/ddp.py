@@ -205,11 +205,18 @@ class DistributedDataParallel(nn.Module):
         if self._join is not None:
             buffer_src, self._step.divisor = self._join.on_forward()
         if self.broadcast_buffers and self.world_size > 1 and self._buffers_list:
-            with torch.no_grad():
-                broadcast_coalesced(self._buffer_chunks, self.process_group, buffer_src)
+            self._sync_buffers(buffer_src)
         if torch.is_grad_enabled() and self._sync:
             self._step.armed = True
         return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def _sync_buffers(self, src: int) -> None:
+        """Collective: every rank's buffers become rank `src`'s (join() shadows this too)."""
+        # A hook with its own broadcast (shared memory) saves the backend's round trip.
+        by_hook = getattr(self.comm_hook, "broadcast", None)
+        if by_hook is None or not by_hook(self._buffers_list, src):
+            broadcast_coalesced(self._buffer_chunks, self.process_group, src)
 
     def _parameters_changed(self) -> bool:
         if _total_len(self._module_dicts) != self._sizes_at_wrap[1]:

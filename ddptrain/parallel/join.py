@@ -158,8 +158,7 @@ class Join:
             self._maybe_throw(states)
             active = [r for r, s in enumerate(states) if s]
             if ddp.broadcast_buffers and self.world_size > 1 and ddp._buffers_list:
-                with torch.no_grad():
-                    broadcast_coalesced(ddp._buffer_chunks, self.group, active[-1])
+                ddp._sync_buffers(active[-1])
             if self._sync_bns and any(s & _TRAINING for s in states):
                 for layer in self._sync_bns:
                     sync_batchnorm.shadow_forward(layer)

@@ -72,6 +72,9 @@ class SharedMemoryHook:
         self._shared: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._runner = _OrderedRunner()
         self._barrier: _SharedBarrier | None = None
+        # broadcast(): per tensor layout, a shared file of two byte slots and the calls so far.
+        self._staging: dict[tuple, torch.Tensor | None] = {}
+        self._broadcasts = 0
         if self.world_size > 1:
             size = self.world_size * _COUNTER_STRIDE
             counters = self._runner.submit(self._map, size, torch.int64).wait()
@@ -163,6 +166,41 @@ class SharedMemoryHook:
                     rows[k, lo:hi].copy_(mine)
         barrier.wait()
         return bucket
+
+    def broadcast(self, tensors: list[torch.Tensor], src: int) -> bool:
+        """Collective: copy rank `src`'s `tensors` into every rank's, through shared memory.
+
+        Returns False, having done nothing, where the hook cannot (no shared memory, a tensor
+        not a contiguous CPU one, no room in the tmpfs): the caller then uses the backend. One
+        barrier per call: the file has two slots, used alternately, and a rank reads the slot
+        of call k before it reaches any barrier of call k + 1, so `src` can only overwrite it
+        (at call k + 2) once every rank has read it.
+        """
+        if self._barrier is None or not tensors:
+            return False
+        if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+            return False
+        key = tuple((t.dtype, t.numel()) for t in tensors)
+        if key not in self._staging:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self._staging[key] = self._runner.submit(self._map, 2 * nbytes, torch.uint8).wait()
+        staging = self._staging[key]
+        if staging is None:
+            return False
+        slot = staging.view(2, -1)[self._broadcasts % 2]
+        self._broadcasts += 1
+        self._runner.submit(self._broadcast_bytes, tensors, slot, src).wait()
+        return True
+
+    def _broadcast_bytes(self, tensors: list[torch.Tensor], slot: torch.Tensor, src: int) -> None:
+        pieces = slot.split([t.numel() * t.element_size() for t in tensors])
+        if self.rank == src:
+            for t, piece in zip(tensors, pieces, strict=True):
+                piece.copy_(t.view(-1).view(torch.uint8))
+        self._barrier.wait()
+        if self.rank != src:
+            for t, piece in zip(tensors, pieces, strict=True):
+                t.view(-1).view(torch.uint8).copy_(piece)
 
     def close(self) -> None:
         """Stop the worker thread (pending buckets finish first)."""
