@@ -6,6 +6,7 @@
     python -m ddptrain.bench --world-size 3 --out bench-results/ws3
     python -m ddptrain.bench --models mlp,lenet --extras adamw,zero,zero-sgd   # ZeRO stage 1
     python -m ddptrain.bench --models mlp --extras gloo --ladder   # docs/walkthrough.md's steps
+    python -m ddptrain.bench --models lenet-recipe --extras none --sync-only   # cost of a sync
     torchrun --nproc_per_node=2 -m ddptrain.bench --quick   # ranks from a launcher, any hosts
     python -m ddptrain.bench --two-hosts --quick    # two network namespaces (bench/hosts.py)
 
@@ -72,6 +73,9 @@ OPTIMIZER_EXTRAS = {
 # Opt-in (--ladder) rungs of docs/walkthrough.md, between "naive" and "ddptrain_gloo": each adds
 # one idea to the one before, all over the backend's all_reduce.
 LADDER = ("flat", "hooked", "hooked_rebuild")
+# Opt-in (--sync-only): no wrapper, one 4-byte all_reduce after backward. What meeting the other
+# ranks once per step costs on this machine (waiting for the slowest), whatever the wrapper.
+SYNC_ONLY = "sync_only"
 RING_SIZES_MB = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -89,6 +93,10 @@ class MLP(nn.Module):
         for layer in self.hidden:
             x = F.relu(layer(x))
         return self.out(x)
+
+
+def _recipe_lenet() -> nn.Module:
+    return LeNet(width=2, batchnorm=True, dropout=0.1).to(memory_format=torch.channels_last)
 
 
 def conv_net() -> nn.Module:
@@ -115,6 +123,8 @@ def conv_net() -> nn.Module:
 # step-time differences stand out of the noise.
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int, int]] = {
     "lenet": (lambda: LeNet(dropout=0.0), (1, 28, 28), 64, 200),
+    # recipes/mnist.py's default model and per-rank batch at world size 2.
+    "lenet-recipe": (_recipe_lenet, (1, 28, 28), 128, 120),
     "mlp": (MLP, (1, 28, 28), 32, 40),
     "convnet": (conv_net, (3, 32, 32), 16, 80),
 }
@@ -165,6 +175,9 @@ def _make_variant(name: str, base: nn.Module, world_size: int) -> tuple[nn.Modul
         after = lambda: _naive_average(module, world_size)  # noqa: E731
     elif name == "local":
         model = module
+    elif name == SYNC_ONLY:
+        model, flag = module, torch.zeros(1, device=next(module.parameters()).device)
+        after = lambda: dist.all_reduce(flag)  # noqa: E731
     else:
         raise ValueError(f"unknown variant {name!r}")
     return model, after
@@ -307,6 +320,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     info = ddptrain.init_distributed(backend=args.backend)
     variants = list(BASE_VARIANTS) + [f"ddptrain_{e}" for e in args.extras]
     variants += list(LADDER) if args.ladder else []
+    variants += [SYNC_ONLY] if args.sync_only else []
     out: dict[str, Any] = {
         "models": {
             m: _bench_model(m, variants, args.steps, args.warmup, args.block, info.device)
@@ -342,6 +356,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "or 'none'",
     )
     p.add_argument("--ladder", action="store_true", help=f"add {', '.join(LADDER)}")
+    p.add_argument(
+        "--sync-only", action="store_true", help="add sync_only: a 4-byte all_reduce per step"
+    )
     p.add_argument("--ring-reps", type=int, default=10, help="0 skips the ring bandwidth test")
     p.add_argument("--ring-sizes", default=",".join(map(str, RING_SIZES_MB)), help="MiB")
     p.add_argument("--backend", default=None, help="gloo or nccl (default: nccl if CUDA)")

@@ -13,7 +13,7 @@ from ddptrain.bench import steps as bench
 
 def test_quick_run_writes_the_expected_json(tmp_path):
     """--quick runs every variant on LeNet at world size 2 and writes a complete bench.json."""
-    result = bench.main(["--quick", "--out", str(tmp_path)])
+    result = bench.main(["--quick", "--sync-only", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved == json.loads(json.dumps(result))
     assert saved["settings"]["world_size"] == 2 and saved["settings"]["backend"] == "gloo"
@@ -23,7 +23,7 @@ def test_quick_run_writes_the_expected_json(tmp_path):
     assert saved["settings"]["bucket_transport"] == one_host
     lenet = saved["models"]["lenet"]
     expected = list(bench.BASE_VARIANTS) + [f"ddptrain_{e}" for e in bench.EXTRAS]
-    assert list(lenet["variants"]) == expected
+    assert list(lenet["variants"]) == [*expected, bench.SYNC_ONLY]
     for name, row in lenet["variants"].items():
         assert row["median_ms"] > 0 and row["cpu_ms"] > 0, name
         assert row["p25_ms"] <= row["median_ms"] <= row["p75_ms"], name
