@@ -49,6 +49,7 @@ from ddptrain.parallel.comm import allreduce_hook
 from ddptrain.parallel.layout import memory_format, memory_order, view_like
 from ddptrain.parallel.replicas import broadcast_coalesced, coalesce, verify_same_model
 from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
+from ddptrain.parallel.step_state import StepState
 
 # Elements per piece when scaling and narrowing a gradient into a bf16/fp16 bucket: 256 KB of
 # fp32 stays in L2 between the multiply and the cast.
@@ -134,7 +135,7 @@ class DistributedDataParallel(nn.Module):
         ]
         self._sync = True
         self._scratch = torch.empty(0)
-        self._step = _StepState(len(self._params), self._bucket_lens, self.world_size)
+        self._step = StepState(len(self._params), self._bucket_lens, self.world_size)
         self._join: Any = None
         # Seconds the last synchronized backward waited for its buckets after autograd was
         # done: the communication that overlap did not hide (the Trainer logs it as comm_s).
@@ -366,7 +367,7 @@ class DistributedDataParallel(nn.Module):
                 else:
                     p.grad.copy_(view)
         finally:
-            self._step = _StepState(len(self._params), self._bucket_lens, self.world_size)
+            self._step = StepState(len(self._params), self._bucket_lens, self.world_size)
 
     def _rebuild_in_ready_order(self) -> None:
         """Rebuild buckets in the gradient-ready order rank 0 observed on the first backward."""
@@ -392,35 +393,6 @@ class DistributedDataParallel(nn.Module):
 
 
 DDP = DistributedDataParallel
-
-
-# A plain object, not attributes of the wrapper: every attribute write on an nn.Module goes
-# through its slow __setattr__ (~10 us each), and the hooks write several per parameter.
-class _StepState:
-    """What one synchronized backward tracks."""
-
-    __slots__ = (
-        "armed",
-        "callback_queued",
-        "divisor",
-        "next_bucket",
-        "pending",
-        "ready",
-        "used",
-        "works",
-    )
-
-    def __init__(self, n_params: int, bucket_lens: list[int], divisor: int) -> None:
-        self.armed = False
-        # Gradients are scaled by 1/divisor: world_size, or under join() the ranks still training.
-        self.divisor = divisor
-        self.callback_queued = False
-        self.next_bucket = 0
-        self.pending = list(bucket_lens)
-        self.ready = [False] * n_params
-        # "Used here" since the last synchronized backward, no_sync passes included.
-        self.used = [False] * n_params
-        self.works: list[Waitable | None] = [None] * len(bucket_lens)
 
 
 def _total_len(dicts: list[dict]) -> int:

@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from ddptrain.parallel import sync_batchnorm
 from ddptrain.parallel.comm import CastHook, RingHook
-from ddptrain.parallel.ddp import _StepState
 from ddptrain.parallel.replicas import broadcast_coalesced, coalesce
 from ddptrain.parallel.shm import SharedMemoryHook
+from ddptrain.parallel.step_state import StepState
 
 if TYPE_CHECKING:
     from ddptrain.parallel.ddp import DistributedDataParallel
@@ -150,7 +150,7 @@ class Join:
     def _shadow_until_all_done(self) -> None:
         ddp = self.ddp
         # Whatever this rank accumulated under no_sync() is dropped: a joined rank adds zeros.
-        ddp._step = _StepState(len(ddp._params), ddp._bucket_lens, self.world_size)
+        ddp._step = StepState(len(ddp._params), ddp._bucket_lens, self.world_size)
         while True:
             states = self._exchange(0)
             if not any(states):

@@ -1,0 +1,34 @@
+"""What one synchronized backward of the DDP wrapper tracks, reset after every one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+# A plain object, not attributes of the wrapper: every attribute write on an nn.Module goes
+# through its slow __setattr__ (~10 us each), and the hooks write several per parameter.
+class StepState:
+    """What one synchronized backward tracks."""
+
+    __slots__ = (
+        "armed",
+        "callback_queued",
+        "divisor",
+        "next_bucket",
+        "pending",
+        "ready",
+        "used",
+        "works",
+    )
+
+    def __init__(self, n_params: int, bucket_lens: list[int], divisor: int) -> None:
+        self.armed = False
+        # Gradients are scaled by 1/divisor: world_size, or under join() the ranks still training.
+        self.divisor = divisor
+        self.callback_queued = False
+        self.next_bucket = 0
+        self.pending = list(bucket_lens)
+        self.ready = [False] * n_params
+        # "Used here" since the last synchronized backward, no_sync passes included.
+        self.used = [False] * n_params
+        self.works: list[Any] = [None] * len(bucket_lens)
