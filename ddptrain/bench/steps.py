@@ -44,13 +44,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
+from ddptrain.bench.collectives import bench_all_reduce
 from ddptrain.bench.placement import bucket_transport, hosts, this_host, transport
 from ddptrain.bench.report import format_table, machine, plot, summarize
 from ddptrain.dist import LaunchError, launched_by
 from ddptrain.models import LeNet
-from ddptrain.parallel.comm import allreduce_hook, make_hook, ring_all_reduce
+from ddptrain.parallel.comm import allreduce_hook, make_hook
 from ddptrain.parallel.ddp import DistributedDataParallel
-from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 from ddptrain.parallel.zero import ZeroRedundancyOptimizer
 
 BASE_VARIANTS = ("ddptrain", "torch_ddp", "naive", "local")
@@ -261,44 +261,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _bench_ring(sizes_mb: tuple[int, ...], reps: int, device: torch.device) -> dict[str, Any]:
-    """Seconds per in-place SUM all_reduce: hand-written ring, backend, shared memory (CPU), and
-    the bound one thread's add + copy of the same bytes sets (CPU)."""
-    tensors = {mb: torch.ones(mb * 2**20 // 4, device=device) for mb in sizes_mb}
-    kinds = {
-        "ring": lambda t: ring_all_reduce(t),
-        "backend": lambda t: dist.all_reduce(t),
-    }
-    shm_tensors = {}
-    if device.type == "cpu" and shared_memory_usable():
-        shm = SharedMemoryHook()
-        shm_tensors = {mb: shm.allocate(t.numel(), t.dtype, device) for mb, t in tensors.items()}
-        kinds["shm"] = lambda t: shm(t, None).wait()
-        # The memory-bandwidth bound of a reduction: one thread adds the same bytes into another
-        # buffer and copies them out (every rank at once, as the ranks' reductions share memory).
-        scratch = {t.numel(): (torch.ones_like(t), torch.empty_like(t)) for t in tensors.values()}
-        kinds["add_copy"] = lambda t: _add_copy(t, *scratch[t.numel()])
-    times: dict[str, dict[int, list[float]]] = {kind: {} for kind in kinds}
-    for rep in range(reps + 1):
-        for mb in sizes_mb:
-            order = list(kinds)[rep % len(kinds) :] + list(kinds)[: rep % len(kinds)]
-            for kind in order:
-                t = shm_tensors[mb] if kind == "shm" else tensors[mb]
-                _sync(device)
-                dist.barrier()
-                start = time.perf_counter()
-                kinds[kind](t)
-                _sync(device)
-                if rep > 0:
-                    times[kind].setdefault(mb, []).append(time.perf_counter() - start)
-    return times
-
-
-def _add_copy(source: torch.Tensor, into: torch.Tensor, out: torch.Tensor) -> None:
-    into.add_(source)
-    out.copy_(into)
-
-
 def _keep_freed_memory() -> bool:
     """Stop glibc returning freed memory to the OS (and mapping it anew) between steps."""
     # Stock glibc adapts its mmap/trim thresholds as it goes, so a 20 MB gradient freed in one
@@ -328,7 +290,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     if args.ring_reps > 0 and info.world_size > 1:
-        out["ring"] = _bench_ring(tuple(args.ring_sizes), args.ring_reps, info.device)
+        out["ring"] = bench_all_reduce(tuple(args.ring_sizes), args.ring_reps, info.device)
     out["backend"] = info.backend
     out["malloc_fixed_thresholds"] = malloc_fixed
     out["device"] = str(info.device)
