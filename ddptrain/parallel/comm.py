@@ -201,6 +201,12 @@ class CastHook:
             return inner_allocate(numel, wire_dtype, device)
         return torch.zeros(numel, dtype=wire_dtype, device=device)
 
+    def broadcast(self, tensors: list[torch.Tensor], src: int) -> bool:
+        """Buffers travel as they are, through `inner`'s broadcast where it has one (shared
+        memory); False (the wrapper then uses the backend) otherwise."""
+        inner = getattr(self.inner, "broadcast", None)
+        return inner is not None and inner(tensors, src)
+
     def __call__(self, bucket: torch.Tensor, group: Any) -> Any:
         if bucket.dtype == self.dtype:
             return self._reduce(bucket, group)

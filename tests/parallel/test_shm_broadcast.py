@@ -12,6 +12,7 @@ import torch
 
 import worlds
 from ddptrain.parallel import shm
+from ddptrain.parallel.comm import CastHook
 from ddptrain.parallel.ddp import DistributedDataParallel
 from ddptrain.parallel.shm import SHM_DIR, SharedMemoryHook
 
@@ -41,8 +42,18 @@ def _case_broadcast(info) -> dict:
         seen.append((handled, src, [t.clone() for t in tensors]))
     strided = torch.zeros(4, 4).t()
     refused = hook.broadcast([strided], 0)
+    # A bf16 hook over shared memory passes buffers through untouched (not cast to bf16).
+    cast = CastHook(torch.bfloat16, hook)
+    precise = torch.full((3,), 1.0 + 2.0**-20 + info.rank)
+    by_cast = cast.broadcast([precise], 0)
     hook.close()
-    return {"seen": seen, "refused_non_contiguous": refused, "prefix": hook._prefix}
+    return {
+        "seen": seen,
+        "refused_non_contiguous": refused,
+        "cast": (by_cast, precise),
+        "cast_to_backend": CastHook(torch.bfloat16).broadcast([precise], 0),
+        "prefix": hook._prefix,
+    }
 
 
 def _case_buffers_in_the_wrapper(info) -> list[torch.Tensor]:
@@ -83,6 +94,9 @@ def test_broadcast_copies_the_source_rank_tensors_on_every_call(world):
             for g, expected in zip(got, _tensors(src, call), strict=True):
                 assert g.dtype == expected.dtype and torch.equal(g, expected), (rank, call, src)
         assert r["refused_non_contiguous"] is False
+        by_cast, precise = r["cast"]
+        assert by_cast and torch.equal(precise, torch.full((3,), 1.0 + 2.0**-20)), rank
+        assert r["cast_to_backend"] is False
     leftovers = [f for f in os.listdir(SHM_DIR) if f.startswith(os.path.basename(r["prefix"]))]
     assert leftovers == []
 
