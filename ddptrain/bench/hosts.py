@@ -9,9 +9,11 @@ with a /dev/shm of its own, so the wrapper cannot reduce in shared memory and us
 backend's all_reduce over the veth, as between real hosts), starts one torchrun per host that
 runs `python -m ddptrain.bench` with the other flags, and waits up to --timeout-s. On a
 failure or timeout both launchers are killed with every process they started; the namespaces
-are deleted whatever happens. Rank 0, on host a, writes <out>/bench.json (and bench.png), whose
-settings name both hosts, say "bucket_transport": "backend", and describe the link
-("two_hosts"). Needs root and iproute2; says so otherwise.
+are deleted whatever happens. Rank 0, on host a, writes into a scratch folder inside <out>;
+only a run that succeeds moves bench.json (and bench.png) out of it, so a failed or timed-out
+run never leaves a result behind. The JSON's settings name both hosts, say
+"bucket_transport": "backend", and describe the link ("two_hosts"). Needs root and iproute2;
+says so otherwise.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,8 +65,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the step bench on two fake hosts; return the result rank 0 wrote to bench.json."""
     runner, bench_argv, bench = parse_args(list(sys.argv[1:] if argv is None else argv))
     out = bench.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    # Ranks can be killed halfway through writing; the result reaches <out> only from here.
+    scratch = Path(tempfile.mkdtemp(prefix=".two-hosts-", dir=out))
+    try:
+        return _run_and_publish(runner, bench_argv, bench, scratch, out)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_and_publish(
+    runner: argparse.Namespace,
+    bench_argv: list[str],
+    bench: argparse.Namespace,
+    scratch: Path,
+    out: Path,
+) -> dict[str, Any]:
     # The later --out wins: rank 0 writes where this process expects, whatever its cwd.
-    module_args = ["-m", "ddptrain.bench", *bench_argv, "--out", str(out)]
+    module_args = ["-m", "ddptrain.bench", *bench_argv, "--out", str(scratch)]
     with _terminate_as_exit(), two_hosts("ddpb") as (a, b):
         rdzv_id = f"ddptrain-bench-{os.getpid()}"
         commands = [
@@ -79,10 +98,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ]
         envs = [host.env(OMP_NUM_THREADS=str(bench.threads)) for host in (a, b)]
         output = _run(commands, envs, bench.timeout_s)
-    print(output, end="", flush=True)
-    result = json.loads((out / "bench.json").read_text())
+    # Rank 0 printed paths inside the scratch folder; name the ones the files end up at.
+    print(output.replace(str(scratch), str(out)), end="", flush=True)
+    result = json.loads((scratch / "bench.json").read_text())
     result["settings"]["two_hosts"] = _link(a, b, runner.ranks_per_host)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
+    if (scratch / "bench.png").exists():
+        (scratch / "bench.png").replace(out / "bench.png")
     return result
 
 

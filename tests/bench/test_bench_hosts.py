@@ -125,20 +125,25 @@ def test_two_hosts_reduce_over_the_backend_and_leave_no_namespace(root_and_netns
     left = set(namespaces())
     assert not left & {h["netns"] for h in link["hosts"]}
     assert not _ours(os.getpid())
+    # The ranks' scratch folder is gone: only the result is left.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
 
 
 def test_two_hosts_timeout_kills_the_launchers_and_deletes_the_namespaces(root_and_netns, tmp_path):
-    """A run past --timeout-s raises RunFailed naming the timeout; no namespace and no process
-    of it (launchers, ranks) is left."""
-    argv = ["--two-hosts", "--quick", "--no-plot", "--out", str(tmp_path), "--timeout-s", "6"]
+    """A run past --timeout-s raises RunFailed naming the timeout; no namespace, no process of
+    it (launchers, ranks) and no file in --out is left."""
+    # A million timed steps: no machine finishes them inside the timeout, so the run is always
+    # killed mid-way (a --quick run can finish its JSON just before a short deadline).
+    many = ["--models", "lenet", "--steps", "1000000", "--extras", "none", "--ring-reps", "0"]
+    argv = ["--two-hosts", *many, "--no-plot", "--out", str(tmp_path), "--timeout-s", "8"]
     try:
-        with pytest.raises(bench_hosts.RunFailed, match="timed out after 6 s"):
+        with pytest.raises(bench_hosts.RunFailed, match="timed out after 8 s"):
             bench_hosts.main(argv)
     except HostsUnavailable as exc:
         pytest.skip(str(exc))
     assert not _ours(os.getpid())
     assert not _processes_naming(str(tmp_path))
-    assert not (tmp_path / "bench.json").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def _processes_naming(text: str) -> list[str]:
