@@ -1,5 +1,5 @@
 """Output of the Trainer: a JSON-lines metrics file, TensorBoard and a progress bar (rank 0),
-and the loss window they report (every rank).
+the loss window they report (every rank), and the run's progress that fit() sums up.
 
 log = MetricsLog("runs/mnist")        # appends to runs/mnist/metrics.jsonl
 log.write({"step": 10, "loss": 0.31})
@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
+import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +163,33 @@ class LossWindow:
         return torch.tensor(self.times.values(), dtype=torch.float64, device=self.loss.device)
 
 
+@dataclass
+class Progress:
+    """What the loop carries between steps: the log window, the latest metrics, what is done."""
+
+    window: LossWindow
+    first_step: int
+    saved_at: int
+    evaluated_at: int = -1
+    metrics: dict[str, float] = field(default_factory=dict)
+    last_loss: float = math.nan
+    start: float = field(default_factory=time.perf_counter)
+
+    def summary(self, step: int, epoch: int, global_batch: int, world_size: int) -> dict[str, Any]:
+        """What fit() returns: throughput since this run (or resume) started, latest metrics."""
+        wall_s = time.perf_counter() - self.start
+        trained = (step - self.first_step) * global_batch
+        return {
+            "samples_per_s": trained / max(wall_s, 1e-9),
+            "step": step,
+            "epoch": epoch,
+            "train_loss": self.last_loss,
+            "eval": self.metrics,
+            "wall_s": wall_s,
+            "world_size": world_size,
+        }
+
+
 def describe_run(
     cfg: Any, info: Any, sampler: Any, model: Any, total_steps: int, resumed_at: int | None
 ) -> str:
@@ -178,3 +208,30 @@ def describe_run(
         f"{'' if resumed_at is None else f', resumed at step {resumed_at}'}) | "
         f"precision={cfg.precision} | buckets (MiB, launch order)=[{buckets}]"
     )
+
+
+def start_record(cfg: Any, info: Any, step: int) -> dict[str, Any]:
+    """A run's first log record: what a plot's legend needs to tell runs apart."""
+    return {
+        "event": "start",
+        "step": step,
+        "time_s": 0.0,
+        "world_size": info.world_size,
+        "backend": info.backend,
+        "precision": cfg.precision,
+        "comm_hook": cfg.comm_hook,
+        "global_batch_size": cfg.global_batch_size,
+        "grad_accum_steps": cfg.grad_accum_steps,
+    }
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """`name=value, ...` as printed after an evaluation: counts whole, the rest to 4 places."""
+    return ", ".join(
+        f"{k}={v}" if isinstance(v, int) else f"{k}={v:.4f}" for k, v in metrics.items()
+    )
+
+
+def want_progress_bar(setting: bool | None) -> bool:
+    """TrainerConfig.progress_bar, where None means: only when stderr is a terminal."""
+    return setting if setting is not None else sys.stderr.isatty()

@@ -25,11 +25,8 @@ Every collective runs on every rank; only printing, progress and file writes are
 from __future__ import annotations
 
 import contextlib
-import math
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,7 +40,16 @@ from ddptrain.train import build, health, resume, uneven
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.evaluation import evaluate, move_to
 from ddptrain.train.health import Heartbeat, NonFiniteError
-from ddptrain.train.log import LossWindow, ProgressBar, describe_run, open_logs
+from ddptrain.train.log import (
+    LossWindow,
+    Progress,
+    ProgressBar,
+    describe_run,
+    format_metrics,
+    open_logs,
+    start_record,
+    want_progress_bar,
+)
 
 __all__ = ["NonFiniteError", "Trainer"]
 
@@ -313,18 +319,8 @@ class Trainer:
             self._save()
 
     def _summary(self) -> dict[str, Any]:
-        progress = self._progress
-        wall_s = time.perf_counter() - progress.start
-        trained = (self.step - progress.first_step) * self.config.global_batch_size
-        return {
-            "samples_per_s": trained / max(wall_s, 1e-9),
-            "step": self.step,
-            "epoch": self.epoch,
-            "train_loss": progress.last_loss,
-            "eval": progress.metrics,
-            "wall_s": wall_s,
-            "world_size": self.info.world_size,
-        }
+        cfg, world_size = self.config, self.info.world_size
+        return self._progress.summary(self.step, self.epoch, cfg.global_batch_size, world_size)
 
     # ----------------------------------------------------------------------- evaluation
     def _evaluate_and_log(self, eval_set: Dataset | None) -> dict[str, float]:
@@ -339,10 +335,7 @@ class Trainer:
             autocast=self._autocast,
         )
         if metrics:
-            shown = ", ".join(
-                f"{k}={v}" if isinstance(v, int) else f"{k}={v:.4f}" for k, v in metrics.items()
-            )
-            print0(f"step {self.step} epoch {self.epoch}: {shown}")
+            print0(f"step {self.step} epoch {self.epoch}: {format_metrics(metrics)}")
             if self._log:
                 time_s = time.perf_counter() - self._progress.start
                 self._log.write(
@@ -375,29 +368,14 @@ class Trainer:
         cfg, info = self.config, self.info
         # A resumed run never re-saves the step it resumed from (that file exists).
         saved_at = self.step if resumed else -1
-        self._progress = _Progress(LossWindow(info.device), self.step, saved_at)
+        self._progress = Progress(LossWindow(info.device), self.step, saved_at)
         self._log = open_logs(cfg.loggers, cfg.log_dir) if info.is_main and cfg.log_dir else None
         if self._log:
-            self._log.write(self._start_record())
-        enabled = info.is_main and _want_bar(cfg)
+            self._log.write(start_record(cfg, info, self.step))
+        enabled = info.is_main and want_progress_bar(cfg.progress_bar)
         self._bar = ProgressBar(self.total_steps, self.step, enabled=enabled)
         trace_dir = cfg.log_dir or cfg.checkpoint_dir
         self._tracer = profiling.StepTracer(cfg.profile_steps, trace_dir, info.rank)
-
-    def _start_record(self) -> dict[str, Any]:
-        """The run's first log record: what a plot's legend needs to tell runs apart."""
-        cfg, info = self.config, self.info
-        return {
-            "event": "start",
-            "step": self.step,
-            "time_s": 0.0,
-            "world_size": info.world_size,
-            "backend": info.backend,
-            "precision": cfg.precision,
-            "comm_hook": cfg.comm_hook,
-            "global_batch_size": cfg.global_batch_size,
-            "grad_accum_steps": cfg.grad_accum_steps,
-        }
 
     def _close_logs(self) -> None:
         self._tracer.close()
@@ -406,23 +384,6 @@ class Trainer:
             self._log.close()
 
 
-@dataclass
-class _Progress:
-    """What the loop carries between steps: the log window, the latest metrics, what is done."""
-
-    window: LossWindow
-    first_step: int
-    saved_at: int
-    evaluated_at: int = -1
-    metrics: dict[str, float] = field(default_factory=dict)
-    last_loss: float = math.nan
-    start: float = field(default_factory=time.perf_counter)
-
-
 def _due(step: int, every_steps: int | None, epoch_done: bool) -> bool:
     """Periodic work runs every `every_steps` optimizer steps, or at each epoch's end if None."""
     return step % every_steps == 0 if every_steps else epoch_done
-
-
-def _want_bar(cfg: TrainerConfig) -> bool:
-    return cfg.progress_bar if cfg.progress_bar is not None else sys.stderr.isatty()

@@ -39,3 +39,31 @@ def test_missing_tensorboard_says_how_to_install(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"pip install 'ddptrain\[tensorboard\]'") as info:
         logs.open_logs(("tensorboard",), tmp_path)
     assert "\n" not in str(info.value)
+
+
+def test_metrics_line_prints_counts_whole_and_the_rest_to_four_places():
+    """format_metrics: ints as they are, floats rounded to 4 places, in the dict's order."""
+    shown = logs.format_metrics({"eval_accuracy": 0.91437, "eval_samples": 10000, "loss": 2.5})
+    assert shown == "eval_accuracy=0.9144, eval_samples=10000, loss=2.5000"
+
+
+def test_progress_bar_setting_none_follows_the_terminal(monkeypatch):
+    """progress_bar=None shows the bar only when stderr is a terminal; True/False always win."""
+    for tty in (True, False):
+        monkeypatch.setattr(logs.sys.stderr, "isatty", lambda tty=tty: tty)
+        assert logs.want_progress_bar(None) is tty
+        assert logs.want_progress_bar(True) is True
+        assert logs.want_progress_bar(False) is False
+
+
+def test_summary_counts_only_the_samples_trained_since_start_or_resume(monkeypatch):
+    """Progress.summary: samples/s over the steps taken in this process (a resumed run's earlier
+    steps excluded), with the latest loss and metrics."""
+    monkeypatch.setattr(logs.time, "perf_counter", lambda: 104.0)
+    progress = logs.Progress(window=None, first_step=10, saved_at=10, start=100.0)
+    progress.last_loss, progress.metrics = 0.5, {"eval_accuracy": 0.9}
+    summary = progress.summary(step=30, epoch=2, global_batch=64, world_size=2)
+    assert summary["samples_per_s"] == (30 - 10) * 64 / 4.0
+    assert summary["wall_s"] == 4.0
+    assert (summary["step"], summary["epoch"], summary["world_size"]) == (30, 2, 2)
+    assert summary["train_loss"] == 0.5 and summary["eval"] == {"eval_accuracy": 0.9}
