@@ -3,7 +3,9 @@
     python scripts/bench_data.py                              # Fashion-MNIST 60k (Debian folder)
     python scripts/bench_data.py --dataset mnist --root data --batch-size 128 --repeats 5
 
-"bulk" is ddptrain.data's IDXDataset: the split is decoded once and normalized in one tensor op.
+"bulk" is ddptrain.data's IDXDataset: the split is decoded once and normalized in one tensor op,
+and each batch is one gather (IDXDataset.get_batch, through ddptrain.data.loader.batch_loader, as
+the Trainer loads it).
 "per-sample" is torchvision's MNIST pattern: uint8 images kept, and each __getitem__ runs
 ToTensor + Normalize (through PIL and torchvision when they import, else the same two steps
 written out on tensors, which skips the PIL round trip and so flatters the baseline).
@@ -18,9 +20,10 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from ddptrain.data import ShardedSampler, fashion_mnist, mnist, read_idx
+from ddptrain.data.loader import batch_loader
 
 
 class PerSampleDataset(Dataset):
@@ -61,9 +64,9 @@ def _manual_transform(mean: float, std: float) -> Callable:
 
 
 def time_epoch(dataset: Dataset, batch_size: int, num_workers: int) -> float:
-    """Seconds to draw every batch of one epoch through a DataLoader."""
+    """Seconds to draw every batch of one epoch through the Trainer's kind of DataLoader."""
     sampler = ShardedSampler(len(dataset), global_batch_size=batch_size, rank=0, world_size=1)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers)
+    loader = batch_loader(dataset, sampler, batch_size, num_workers=num_workers)
     start = time.perf_counter()
     for x, _ in loader:
         assert x.dtype == torch.float32

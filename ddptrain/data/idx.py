@@ -204,6 +204,15 @@ class IDXDataset(Dataset):
             x = self.transform(x)
         return x, self.targets[i]
 
+    def get_batch(self, indices: Sequence[int]) -> list[torch.Tensor]:
+        """[images, labels] of these samples as DataLoader would collate them, in one gather
+        (ddptrain's loaders call it; see data/loader.py)."""
+        index = torch.as_tensor(indices, dtype=torch.int64)
+        x = self.data[index]
+        if self.transform is not None:
+            x = torch.stack([self.transform(sample) for sample in x])
+        return [x, self.targets[index]]
+
 
 def _check_labels(labels: torch.Tensor, num_classes: int, path: str | os.PathLike) -> None:
     # Caught here, naming the file: in the loss it is an IndexError on one rank, mid-epoch.

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.data import ShardedSampler
+from ddptrain.data.loader import batch_loader
 from ddptrain.dist import DistInfo
 from ddptrain.parallel.ddp import DistributedDataParallel
 from ddptrain.parallel.sync_batchnorm import convert_sync_batchnorm
@@ -71,10 +72,10 @@ def loader(
     cfg: TrainerConfig, info: DistInfo, sampler: ShardedSampler, train_set: Dataset
 ) -> DataLoader:
     """This rank's DataLoader over its shard of every global batch."""
-    return DataLoader(
+    return batch_loader(
         train_set,
-        batch_size=sampler.per_rank_batch_size,
-        sampler=sampler,
+        sampler,
+        sampler.per_rank_batch_size,
         num_workers=cfg.num_workers,
         pin_memory=info.device.type == "cuda",
         # Its own generator: iter(loader) draws a worker seed, which must not consume the

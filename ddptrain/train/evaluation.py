@@ -22,9 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from ddptrain.data import EvalSampler
+from ddptrain.data.loader import batch_loader
 from ddptrain.dist import broadcast_object
 
 
@@ -41,7 +42,7 @@ def evaluate(
     """Exact `eval_<key>` = global sum / global sample count for each key `step` returns."""
     was_training = module.training
     module.eval()
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=EvalSampler(len(dataset)))
+    loader = batch_loader(dataset, EvalSampler(len(dataset)), batch_size)
     sums: dict[str, torch.Tensor] = {}
     count = 0
     try:
