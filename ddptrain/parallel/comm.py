@@ -4,11 +4,14 @@
     model = ddptrain.DDP(net, comm_hook=RingHook())         # the ring inside the wrapper
     model = ddptrain.DDP(net, comm_hook=make_hook("bf16"))  # bf16 buckets, default transport
     model = ddptrain.DDP(net, comm_hook=allreduce_hook)     # force the backend's all_reduce
+    model = ddptrain.DDP(net, comm_hook=local_hook)         # a world of one: nothing to send
 
 Every hook follows the wrapper's contract: `hook(bucket, group)` gets a flat 1-D bucket already
 scaled by 1/world_size and returns something whose `wait()` leaves the SUM over ranks in it.
 A hook may also offer `allocate(numel, dtype, device)`; the wrapper then builds its buckets
-with it (SharedMemoryHook: rows of a shared file; CastHook: buckets in the wire dtype).
+with it (SharedMemoryHook: rows of a shared file; CastHook: buckets in the wire dtype);
+`call_on_wait(bucket, group)`, used for a backward's last bucket, whose wait follows at once;
+and `start_broadcast(tensors, src)`, which carries the wrapper's buffers (None: it cannot).
 Hooks that keep state (a process group, a thread, buffers) are constructed on every rank, in
 the same order, because constructing and allocating run collectives.
 """
@@ -99,6 +102,11 @@ class _Done:
 
     def wait(self) -> None:
         return None
+
+
+def local_hook(bucket: torch.Tensor, group: Any) -> _Done:
+    """A world of one: the bucket already holds the sum, so nothing is sent (the default there)."""
+    return _Done()
 
 
 class _FutureWork:
@@ -207,16 +215,29 @@ class CastHook:
         inner = getattr(self.inner, "broadcast", None)
         return inner is not None and inner(tensors, src)
 
-    def __call__(self, bucket: torch.Tensor, group: Any) -> Any:
-        if bucket.dtype == self.dtype:
-            return self._reduce(bucket, group)
-        wire = self._cast.to_wire(bucket)
-        return _CastBack(self._reduce(wire, group), wire, bucket)
+    def start_broadcast(self, tensors: list[torch.Tensor], src: int) -> Any:
+        """`broadcast`, asynchronous: `inner`'s where it has one, else None."""
+        inner = getattr(self.inner, "start_broadcast", None)
+        return None if inner is None else inner(tensors, src)
 
-    def _reduce(self, tensor: torch.Tensor, group: Any) -> Any:
-        if self.inner is None:
+    def __call__(self, bucket: torch.Tensor, group: Any) -> Any:
+        return self._launch(bucket, group, self.inner)
+
+    def call_on_wait(self, bucket: torch.Tensor, group: Any) -> Any:
+        """The same for a bucket waited on at once: passed to `inner`'s call_on_wait if any."""
+        return self._launch(bucket, group, getattr(self.inner, "call_on_wait", self.inner))
+
+    def _launch(self, bucket: torch.Tensor, group: Any, inner: Any) -> Any:
+        if bucket.dtype == self.dtype:
+            return self._reduce(bucket, group, inner)
+        wire = self._cast.to_wire(bucket)
+        return _CastBack(self._reduce(wire, group, inner), wire, bucket)
+
+    @staticmethod
+    def _reduce(tensor: torch.Tensor, group: Any, inner: Any) -> Any:
+        if inner is None:
             return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return self.inner(tensor, group)
+        return inner(tensor, group)
 
 
 def make_hook(name: str, process_group: Any = None) -> Any:

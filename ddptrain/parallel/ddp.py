@@ -20,6 +20,13 @@ autograd keeps computing earlier layers. A callback queued on the autograd engin
 buckets at the end of backward and points each `.grad` at its slot (gradient_as_bucket_view,
 the default: no copy back) or copies the average into it.
 
+Buffers come from rank 0. The running statistics of norm layers in training mode (BatchNorm,
+InstanceNorm) travel with the gradients: a training forward only writes them, never reads
+them, so sending rank 0's after its forward, with the last bucket, trains exactly as a
+broadcast before the next forward would (official DDP's default), and the ranks meet once per
+step instead of twice. Any other buffer, or a norm layer in eval mode, is broadcast before the
+forward that reads it.
+
 Defaults chosen by measurement (docs/benchmarks.md): when every rank is a CPU process on one
 host under gloo, buckets live in shared memory and are summed there (shm.SharedMemoryHook)
 instead of crossing loopback TCP; elsewhere the backend's all_reduce is used. The first
@@ -37,6 +44,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from ddptrain import profiling
 from ddptrain.parallel.buckets import (
@@ -45,9 +53,14 @@ from ddptrain.parallel.buckets import (
     assign_buckets,
     mb_to_bytes,
 )
-from ddptrain.parallel.comm import allreduce_hook
+from ddptrain.parallel.comm import allreduce_hook, local_hook
 from ddptrain.parallel.layout import memory_format, memory_order, view_like
-from ddptrain.parallel.replicas import broadcast_coalesced, coalesce, verify_same_model
+from ddptrain.parallel.replicas import (
+    broadcast_coalesced,
+    coalesce,
+    start_broadcast_coalesced,
+    verify_same_model,
+)
 from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 from ddptrain.parallel.step_state import StepState
 
@@ -71,8 +84,10 @@ class DistributedDataParallel(nn.Module):
     Invariants:
     - Every rank wraps a model with the same parameters and buffers, in the same order, with the
       same shapes and dtypes; this is checked at construction (a clear error, never a hang).
-    - Parameters and buffers come from rank 0: broadcast at construction, buffers again before
-      every forward when `broadcast_buffers=True`.
+    - Parameters and buffers come from rank 0: broadcast at construction, and buffers again
+      at every step when `broadcast_buffers=True`: before the forward, or, when every buffer
+      is a running statistic of a norm layer in training mode, by the end of the backward
+      (every rank then ends the step with rank 0's buffers).
     - When `loss.backward()` returns outside `no_sync()`, every `.grad` holds the mean over ranks.
     - A parameter with no gradient on some ranks counts as zero there; one with no gradient on
       any rank keeps `grad=None`, so optimizers skip it.
@@ -116,6 +131,11 @@ class DistributedDataParallel(nn.Module):
         self._module_dicts = [m._modules for m in modules]
         self._sizes_at_wrap = (_total_len(self._param_dicts), _total_len(self._module_dicts))
         self._buffers_list = [b for b in module.buffers()]
+        # Norm layers in training mode normalize with the batch's statistics and only update
+        # their running ones, so those may arrive after the forward (see the module docstring).
+        owners = [m for m in modules if next(m.buffers(recurse=False), None) is not None]
+        self._norm_layers = [m for m in owners if isinstance(m, _NormBase)]
+        self._only_norm_buffers = len(self._norm_layers) == len(owners)
         verify_same_model(self._named_params, list(module.named_buffers()), process_group)
         with torch.no_grad():
             states = [p.detach() for _, p in self._named_params] + self._buffers_list
@@ -205,19 +225,39 @@ class DistributedDataParallel(nn.Module):
         buffer_src = 0
         if self._join is not None:
             buffer_src, self._step.divisor = self._join.on_forward()
+        synchronized = torch.is_grad_enabled() and self._sync
         if self.broadcast_buffers and self.world_size > 1 and self._buffers_list:
-            self._sync_buffers(buffer_src)
-        if torch.is_grad_enabled() and self._sync:
+            if not self._buffers_follow_gradients():
+                self._sync_buffers(buffer_src)
+            elif synchronized:
+                self._step.sync_buffers = True
+        if synchronized:
             self._step.armed = True
         return self.module(*args, **kwargs)
+
+    def _buffers_follow_gradients(self) -> bool:
+        """Whether this forward's buffers may reach the other ranks with the last bucket."""
+        # Not under join(): a joined rank shadows the broadcast before each forward.
+        return (
+            self._only_norm_buffers
+            and self._join is None
+            and bool(self._buckets)
+            and all(layer.training for layer in self._norm_layers)
+        )
 
     @torch.no_grad()
     def _sync_buffers(self, src: int) -> None:
         """Collective: every rank's buffers become rank `src`'s (join() shadows this too)."""
+        self._start_buffer_sync(src).wait()
+
+    def _start_buffer_sync(self, src: int) -> Waitable:
+        """Collective, asynchronous: rank `src`'s buffers as they are now, in place by wait()."""
         # A hook with its own broadcast (shared memory) saves the backend's round trip.
-        by_hook = getattr(self.comm_hook, "broadcast", None)
-        if by_hook is None or not by_hook(self._buffers_list, src):
-            broadcast_coalesced(self._buffer_chunks, self.process_group, src)
+        by_hook = getattr(self.comm_hook, "start_broadcast", None)
+        work = by_hook(self._buffers_list, src) if by_hook is not None else None
+        if work is None:
+            work = start_broadcast_coalesced(self._buffer_chunks, self.process_group, src)
+        return work
 
     def _parameters_changed(self) -> bool:
         if _total_len(self._module_dicts) != self._sizes_at_wrap[1]:
@@ -330,9 +370,14 @@ class DistributedDataParallel(nn.Module):
             if b == last:
                 # "Used here" flags ride in the last bucket's tail: no extra collective.
                 self._used_flags.copy_(torch.tensor(step.used, dtype=self._used_flags.dtype))
+            # The last bucket is waited on as soon as backward ends: a hook may run it there.
+            launch = getattr(self.comm_hook, "call_on_wait", None) if b == last else None
             with profiling.mark("ddptrain.launch bucket", b):
-                step.works[b] = self.comm_hook(self._buckets[b], self.process_group)
+                step.works[b] = (launch or self.comm_hook)(self._buckets[b], self.process_group)
             step.next_bucket += 1
+            if b == last and step.sync_buffers:
+                with profiling.mark("ddptrain.launch buffers"), torch.no_grad():
+                    step.buffer_work = self._start_buffer_sync(0)
 
     def _finalize(self) -> None:
         with profiling.mark("ddptrain.finalize"):
@@ -352,6 +397,9 @@ class DistributedDataParallel(nn.Module):
             for b, work in enumerate(step.works):
                 with profiling.mark("ddptrain.wait bucket", b):
                     work.wait()
+            if step.buffer_work is not None:
+                with profiling.mark("ddptrain.wait buffers"), torch.no_grad():
+                    step.buffer_work.wait()
             self.last_comm_wait_s = time.perf_counter() - started
             used_anywhere = (self._used_flags != 0).tolist()
             if self._ready_order is not None:
@@ -361,7 +409,9 @@ class DistributedDataParallel(nn.Module):
                     continue
                 view = self._views[index]
                 if self._grad_is_view[index]:
-                    p.grad = view
+                    # The hook pointed it there already unless no gradient came this backward.
+                    if p.grad is not view:
+                        p.grad = view
                 elif p.grad is None:
                     p.grad = view.to(p.dtype, copy=True)
                 else:
@@ -404,6 +454,9 @@ def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def _default_hook(module: nn.Module, group: Any) -> CommHook:
-    """Shared-memory buckets when every rank is a CPU process on one host, else all_reduce."""
+    """Nothing to send alone; shared-memory buckets when every rank is a CPU process on one
+    host; else the backend's all_reduce."""
+    if dist.get_world_size(group) == 1:
+        return local_hook
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())
     return SharedMemoryHook(group) if shared_memory_usable(group, on_cpu) else allreduce_hook

@@ -4,9 +4,12 @@
     chunks = coalesce([p.detach() for p in m.parameters()] + list(m.buffers()))
     broadcast_coalesced(chunks, group)           # every rank now holds rank 0's values
 
-The wrapper calls these at construction, and broadcast_coalesced on its buffer chunks before
-every forward when broadcast_buffers=True. Comparing shapes first turns a mismatched model into
-the same clear error on every rank, where a broadcast of different sizes would hang or corrupt.
+    work = start_broadcast_coalesced(chunks, group)   # the same, finished by work.wait()
+
+The wrapper calls these at construction, and on its buffer chunks at every step when
+broadcast_buffers=True (parallel/ddp.py says when). Comparing shapes first turns a mismatched
+model into the same clear error on every rank, where a broadcast of different sizes would hang
+or corrupt.
 """
 
 from __future__ import annotations
@@ -79,13 +82,38 @@ def coalesce(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 def broadcast_coalesced(chunks: list[list[torch.Tensor]], group: Any, src: int = 0) -> None:
     """Broadcast each chunk of tensors in place from `src` as one flat tensor."""
+    start_broadcast_coalesced(chunks, group, src).wait()
+
+
+def start_broadcast_coalesced(
+    chunks: list[list[torch.Tensor]], group: Any, src: int = 0
+) -> _CoalescedBroadcast:
+    """Launch broadcast_coalesced asynchronously; `wait()` copies the values in place.
+
+    `src`'s values are taken (flattened) now, so it may change its tensors before `wait()`.
+    """
     if dist.get_world_size(group) == 1:
-        return
+        return _CoalescedBroadcast([], False)
     is_src = dist.get_rank(group) == src
     global_src = dist.get_global_rank(group, src) if group is not None else src
+    launched = []
     for chunk in chunks:
         flat = _flatten_dense_tensors(chunk)
-        dist.broadcast(flat, src=global_src, group=group)
-        if not is_src:
-            for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
-                t.copy_(synced)
+        work = dist.broadcast(flat, src=global_src, group=group, async_op=True)
+        launched.append((chunk, flat, work))
+    return _CoalescedBroadcast(launched, not is_src)
+
+
+class _CoalescedBroadcast:
+    """Waits for each chunk's broadcast and, on receiving ranks, unflattens it in place."""
+
+    def __init__(self, launched: list[tuple], receive: bool) -> None:
+        self._launched, self._receive = launched, receive
+
+    def wait(self) -> None:
+        for chunk, flat, work in self._launched:
+            work.wait()
+            if self._receive:
+                for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
+                    t.copy_(synced)
+        self._launched = []

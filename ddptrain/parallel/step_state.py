@@ -12,11 +12,13 @@ class StepState:
 
     __slots__ = (
         "armed",
+        "buffer_work",
         "callback_queued",
         "divisor",
         "next_bucket",
         "pending",
         "ready",
+        "sync_buffers",
         "used",
         "works",
     )
@@ -32,3 +34,6 @@ class StepState:
         # "Used here" since the last synchronized backward, no_sync passes included.
         self.used = [False] * n_params
         self.works: list[Any] = [None] * len(bucket_lens)
+        # A forward asked for rank 0's buffers with the last bucket (norm statistics only).
+        self.sync_buffers = False
+        self.buffer_work: Any = None

@@ -337,14 +337,18 @@ def test_shared_memory_all_reduce_equals_backend(world, world_size):
 def _case_default_hooks(info) -> tuple[str, str]:
     default = DistributedDataParallel(torch.nn.Linear(2, 2))
     forced = DistributedDataParallel(torch.nn.Linear(2, 2), comm_hook=allreduce_hook)
-    return type(default.comm_hook).__name__, getattr(forced.comm_hook, "__name__", "")
+    return _hook_name(default.comm_hook), _hook_name(forced.comm_hook)
+
+
+def _hook_name(hook) -> str:
+    return getattr(hook, "__name__", type(hook).__name__)
 
 
 @needs_shm
-def test_default_hook_is_shared_memory_on_one_host_and_allreduce_alone(world):
-    """Ranks on one CPU host get shared-memory buckets by default; one process gets all_reduce."""
+def test_default_hook_is_shared_memory_on_one_host_and_nothing_alone(world):
+    """Ranks on one CPU host get shared-memory buckets by default; one process sends nothing."""
     assert worlds.outcome(world(2), "default_hooks") == [("SharedMemoryHook", "allreduce_hook")] * 2
-    assert worlds.outcome(world(1), "default_hooks") == [("function", "allreduce_hook")]
+    assert worlds.outcome(world(1), "default_hooks") == [("local_hook", "allreduce_hook")]
 
 
 def _many_buckets(info, hook_name: str) -> dict:

@@ -89,17 +89,31 @@ def _wrap_both(case: str, rank: int):
     return name, base, ours, theirs, micro
 
 
-def _common(base, ours, theirs, initial) -> dict:
+def _buffers_as_official(ours, theirs, rank: int) -> bool:
+    """Rank 0's buffers equal official DDP's, and every rank holds rank 0's.
+
+    Official DDP's other ranks hold rank 0's statistics of the step before, moved by their own
+    batch; ddptrain's norm statistics follow the gradients, so every rank ends on rank 0's.
+    """
+    mine = [b.detach().clone() for b in ours.module.buffers()]
+    rank0 = [b.clone() for b in mine]
+    for b in rank0:
+        dist.broadcast(b, src=0)
+    as_rank0 = all(torch.equal(a, b) for a, b in zip(mine, rank0, strict=True))
+    if rank != 0:
+        return as_rank0
+    pairs = zip(mine, theirs.module.buffers(), strict=True)
+    return as_rank0 and all(torch.equal(a, b) for a, b in pairs)
+
+
+def _common(base, ours, theirs, initial, rank: int) -> dict:
     ours_params = dict(ours.module.named_parameters())
     return {
         "base": _flat(base),
         "initial": initial,
-        # Buffers are excluded: BatchNorm statistics are rank-local until the next forward.
+        # Buffers are excluded here and checked on their own (_buffers_as_official).
         "final": _flat_params(ours.module),
-        "buffers_equal": all(
-            torch.equal(a, b)
-            for a, b in zip(ours.module.buffers(), theirs.module.buffers(), strict=True)
-        ),
+        "buffers_equal": _buffers_as_official(ours, theirs, rank),
         "grad_none_ours": sorted(n for n, p in ours_params.items() if p.grad is None),
         "grad_none_theirs": sorted(
             n for n, p in theirs.module.named_parameters() if p.grad is None
@@ -119,7 +133,7 @@ def _train_pair(case: str, rank: int) -> dict:
             opt.step()
     pairs = zip(ours.module.parameters(), theirs.module.parameters(), strict=True)
     return {"bitwise": all(torch.equal(a, b) for a, b in pairs)} | _common(
-        base, ours, theirs, initial
+        base, ours, theirs, initial, rank
     )
 
 
@@ -153,7 +167,7 @@ def _one_step(case: str, info) -> dict:
         "ulps_ours_theirs": _ulps(ours_g, theirs_g, magnitude),
     }
     torch.optim.SGD(ours.parameters(), lr=0.05).step()
-    return out | _common(base, ours, theirs, initial)
+    return out | _common(base, ours, theirs, initial, info.rank)
 
 
 def _case_oracle_steps(info) -> dict:
