@@ -16,7 +16,9 @@ defaults unless --recipe-args), same number of optimizer steps, one thread per r
   batch) side by side: the same work with no communication at all.
 samples/s: synchronous runs count all ranks' samples over the slowest rank's wall time; the
 floor sums each process's own samples/s. Variants run in separate worlds one after another (the
-order rotates every repeat). Writes <out>/recipe.json and <out>/recipe.png (matplotlib).
+order rotates every repeat); the ratios are of the medians, and "paired" is the median of each
+repeat's own ratio, which load that changes between repeats moves less. Writes
+<out>/recipe.json and <out>/recipe.png (matplotlib).
 """
 
 from __future__ import annotations
@@ -158,7 +160,9 @@ def _run_standard(args: argparse.Namespace, recipe_args: argparse.Namespace) -> 
         sampler.set_epoch(epoch)
         for batch_idx, (data, target) in enumerate(loader):
             optimizer.zero_grad()
-            loss = F.nll_loss(model(data), target)
+            # The recipe's --precision bf16 is autocast around the forward; the same here.
+            with torch.autocast("cpu", torch.bfloat16, enabled=recipe_args.precision == "bf16"):
+                loss = F.nll_loss(model(data), target)
             loss.backward()
             optimizer.step()
             scheduler.step()
@@ -199,12 +203,14 @@ def summarize(runs: list[dict[str, list[dict]]], settings: dict[str, Any]) -> di
         for v, rates in per_run.items()
     }
     rate = {v: row["samples_per_s"] for v, row in variants.items()}
-    ratios = {}
-    if "ddptrain" in rate and "standard" in rate:
-        ratios["ddptrain_vs_standard"] = rate["ddptrain"] / rate["standard"]
-    if "ddptrain" in rate and "floor" in rate:
-        ratios["ddptrain_vs_floor"] = rate["ddptrain"] / rate["floor"]
-    return {"settings": settings, "variants": variants, "ratios": ratios}
+    ratios, paired = {}, {}
+    for other in ("standard", "floor"):
+        if "ddptrain" in rate and other in rate:
+            ratios[f"ddptrain_vs_{other}"] = rate["ddptrain"] / rate[other]
+            # Each repeat's two runs were taken minutes apart at most, under that repeat's load.
+            per_repeat = zip(per_run["ddptrain"], per_run[other], strict=True)
+            paired[f"ddptrain_vs_{other}"] = statistics.median(d / o for d, o in per_repeat)
+    return {"settings": settings, "variants": variants, "ratios": ratios, "paired": paired}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -213,7 +219,13 @@ def format_table(result: dict[str, Any]) -> str:
     for v, row in result["variants"].items():
         runs = ", ".join(f"{r:.0f}" for r in row["runs"])
         lines.append(f"{v:<10} {row['samples_per_s']:>10.0f}  {runs}")
-    lines += [f"{name}: {value:.3f}" for name, value in result["ratios"].items()]
+    paired = result.get("paired", {})
+    lines += [
+        f"{name}: {value:.3f} (paired: median of each repeat's ratio {paired[name]:.3f})"
+        if name in paired
+        else f"{name}: {value:.3f}"
+        for name, value in result["ratios"].items()
+    ]
     return "\n".join(lines)
 
 

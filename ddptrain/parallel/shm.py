@@ -37,10 +37,11 @@ _SHM_HEADROOM_BYTES = 256 * 1024 * 1024
 SHM_MIN_BYTES = 0
 # Counters sit 64 bytes apart, so two ranks never write the same cache line.
 _COUNTER_STRIDE = 8
-# A waiting rank polls this many times (yielding the core in between) before it sleeps; while
-# there are no more ranks than cores it goes on polling for up to _SPIN_S, since waking from a
-# sleep takes 50-100 us (the timer's slack) that every rank waiting behind it would pay too.
-# With more ranks than cores, polling longer would take the core from the rank waited for.
+# A waiting rank polls this many times (yielding the core in between) before it sleeps. At the
+# end of backward, with no more ranks than cores, it goes on polling for up to _SPIN_S: waking
+# from a sleep takes 50-100 us (the timer's slack), which every rank waiting behind it would pay
+# too. The worker thread, which reduces while backward runs, and ranks that outnumber the cores
+# sleep sooner: their polling would take the core from work that is waited for.
 _SPIN_POLLS = 200
 _SPIN_S = 2e-3
 _SLEEP_S = 50e-6
@@ -165,11 +166,12 @@ class SharedMemoryHook:
 
     def _reduce_rows(self, bucket: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         barrier = self._barrier
+        spin = self._runner.on_waiting_thread()
         numel = bucket.numel()
         rows = flat.view(self.world_size, numel)
         lo = numel * self.rank // self.world_size
         hi = numel * (self.rank + 1) // self.world_size
-        barrier.wait()
+        barrier.wait(spin)
         if hi > lo:
             mine = rows[self.rank, lo:hi]
             for k in range(self.world_size):
@@ -178,7 +180,7 @@ class SharedMemoryHook:
             for k in range(self.world_size):
                 if k != self.rank:
                     rows[k, lo:hi].copy_(mine)
-        barrier.wait()
+        barrier.wait(spin)
         return bucket
 
     def broadcast(self, tensors: list[torch.Tensor], src: int) -> bool:
@@ -223,7 +225,7 @@ class SharedMemoryHook:
         as_bytes = [t.view(-1).view(torch.uint8) for t in tensors]
         if self.rank == src:
             torch.cat(as_bytes, out=slot)
-        self._barrier.wait()
+        self._barrier.wait(self._runner.on_waiting_thread())
         if self.rank != src:
             torch._foreach_copy_(as_bytes, slot.split([b.numel() for b in as_bytes]))
 
@@ -253,7 +255,8 @@ class _SharedBarrier:
         # writes before it are visible to peers before the counter that announces them.
         self._fence = threading.Lock()
 
-    def wait(self) -> None:
+    def wait(self, spin: bool = False) -> None:
+        """Arrive and wait for every rank; spin: poll for up to _SPIN_S before sleeping."""
         self._arrivals += 1
         with self._fence:
             self._mine.fill_(self._arrivals)
@@ -275,7 +278,7 @@ class _SharedBarrier:
                     f"a rank did not reach shared-memory barrier #{self._arrivals} within "
                     f"{self._timeout_s:.0f} s (it hangs, or runs a different model or step)"
                 )
-            if now - began < self._spin_s:
+            if spin and now - began < self._spin_s:
                 os.sched_yield()
             else:
                 time.sleep(_SLEEP_S)
@@ -350,6 +353,10 @@ class _OrderedRunner:
             if wake:
                 self._work_ready.notify()
         return job
+
+    def on_waiting_thread(self) -> bool:
+        """Whether the caller is a thread waiting for its job, not the worker."""
+        return threading.current_thread() is not self._thread
 
     def wait_for(self, job: _Job) -> None:
         with self._job_done:

@@ -50,6 +50,23 @@ def test_recipe_summary_counts_sync_worlds_by_slowest_rank_and_sums_the_floor():
     assert "ddptrain_vs_floor" in recipe.format_table(result)
 
 
+def test_recipe_paired_ratio_is_the_median_of_each_repeats_ratio():
+    """Paired: ratios taken within each repeat, then the median (not a ratio of medians)."""
+
+    def run(ddptrain_wall_s: float, floor_wall_s: float) -> dict:
+        return {
+            "ddptrain": [{"samples": 100, "wall_s": ddptrain_wall_s}] * 2,
+            "floor": [{"samples": 100, "wall_s": floor_wall_s}] * 2,
+        }
+
+    # ddptrain 100, 80, 60 samples/s against floors of 100, 200, 50: each repeat's ratio is
+    # 1.0, 0.4, 1.2 (median 1.0), while the medians, 80 and 100, give 0.8.
+    result = recipe.summarize([run(2.0, 2.0), run(2.5, 1.0), run(200 / 60, 4.0)], {})
+    assert result["ratios"]["ddptrain_vs_floor"] == pytest.approx(0.8)
+    assert result["paired"]["ddptrain_vs_floor"] == pytest.approx(1.0)
+    assert "paired" in recipe.format_table(result)
+
+
 def test_per_sample_dataset_matches_the_bulk_normalized_one():
     """The standard stack's per-sample normalize gives the recipe's bulk-normalized samples."""
     split = recipe._train_images("synthetic", quick=True)
