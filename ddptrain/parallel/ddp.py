@@ -29,7 +29,8 @@ forward that reads it.
 
 Defaults chosen by measurement (docs/benchmarks.md): when every rank is a CPU process on one
 host under gloo, buckets live in shared memory and are summed there (shm.SharedMemoryHook)
-instead of crossing loopback TCP; elsewhere the backend's all_reduce is used. The first
+instead of crossing loopback TCP; a process alone sends nothing (comm.local_hook); elsewhere
+the backend's all_reduce is used. The first
 synchronized backward records the order gradients become ready, and buckets are rebuilt once
 in rank 0's order. Pass `comm_hook=allreduce_hook` to force the backend's all_reduce.
 """
