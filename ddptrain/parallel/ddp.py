@@ -20,12 +20,9 @@ autograd keeps computing earlier layers. A callback queued on the autograd engin
 buckets at the end of backward and points each `.grad` at its slot (gradient_as_bucket_view,
 the default: no copy back) or copies the average into it.
 
-Buffers come from rank 0. The running statistics of norm layers in training mode (BatchNorm,
-InstanceNorm) travel with the gradients: a training forward only writes them, never reads
-them, so sending rank 0's after its forward, with the last bucket, trains exactly as a
-broadcast before the next forward would (official DDP's default), and the ranks meet once per
-step instead of twice. Any other buffer, or a norm layer in eval mode, is broadcast before the
-forward that reads it.
+Buffers come from rank 0 (parallel/buffers.py): the running statistics of norm layers in
+training mode travel with the last bucket, since a training forward never reads them; any other
+buffer is broadcast before the forward, as official DDP does.
 
 Defaults chosen by measurement (docs/benchmarks.md): when every rank is a CPU process on one
 host under gloo, buckets live in shared memory and are summed there (shm.SharedMemoryHook)
@@ -45,7 +42,6 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
 from ddptrain import profiling
 from ddptrain.parallel.buckets import (
@@ -54,20 +50,12 @@ from ddptrain.parallel.buckets import (
     assign_buckets,
     mb_to_bytes,
 )
+from ddptrain.parallel.buffers import ModelBuffers
 from ddptrain.parallel.comm import allreduce_hook, local_hook
-from ddptrain.parallel.layout import memory_format, memory_order, view_like
-from ddptrain.parallel.replicas import (
-    broadcast_coalesced,
-    coalesce,
-    start_broadcast_coalesced,
-    verify_same_model,
-)
+from ddptrain.parallel.layout import CAST_CHUNK, scale_into_narrower, view_like
+from ddptrain.parallel.replicas import broadcast_coalesced, coalesce, verify_same_model
 from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 from ddptrain.parallel.step_state import StepState
-
-# Elements per piece when scaling and narrowing a gradient into a bf16/fp16 bucket: 256 KB of
-# fp32 stays in L2 between the multiply and the cast.
-_CAST_CHUNK = 64 * 1024
 
 
 class Waitable(Protocol):
@@ -131,17 +119,11 @@ class DistributedDataParallel(nn.Module):
         self._param_dicts = [m._parameters for m in modules]
         self._module_dicts = [m._modules for m in modules]
         self._sizes_at_wrap = (_total_len(self._param_dicts), _total_len(self._module_dicts))
-        self._buffers_list = [b for b in module.buffers()]
-        # Norm layers in training mode normalize with the batch's statistics and only update
-        # their running ones, so those may arrive after the forward (see the module docstring).
-        owners = [m for m in modules if next(m.buffers(recurse=False), None) is not None]
-        self._norm_layers = [m for m in owners if isinstance(m, _NormBase)]
-        self._only_norm_buffers = len(self._norm_layers) == len(owners)
+        self._model_buffers = ModelBuffers(module, self.comm_hook, process_group)
         verify_same_model(self._named_params, list(module.named_buffers()), process_group)
         with torch.no_grad():
-            states = [p.detach() for _, p in self._named_params] + self._buffers_list
+            states = [p.detach() for _, p in self._named_params] + self._model_buffers.tensors
             broadcast_coalesced(coalesce(states), process_group)
-        self._buffer_chunks = coalesce(self._buffers_list)
         self._params = [p for _, p in self._named_params if p.requires_grad]
         self._param_names = [n for n, p in self._named_params if p.requires_grad]
         self._cap_bytes = mb_to_bytes(bucket_cap_mb)
@@ -227,38 +209,20 @@ class DistributedDataParallel(nn.Module):
         if self._join is not None:
             buffer_src, self._step.divisor = self._join.on_forward()
         synchronized = torch.is_grad_enabled() and self._sync
-        if self.broadcast_buffers and self.world_size > 1 and self._buffers_list:
-            if not self._buffers_follow_gradients():
-                self._sync_buffers(buffer_src)
+        if self.broadcast_buffers and self.world_size > 1 and self._model_buffers:
+            # With the last bucket when this forward cannot read them and a synchronized
+            # backward follows; never under join(), whose joined ranks shadow the broadcast.
+            if (
+                self._join is not None
+                or not self._buckets
+                or not self._model_buffers.follow_gradients()
+            ):
+                self._model_buffers.sync(buffer_src)
             elif synchronized:
                 self._step.sync_buffers = True
         if synchronized:
             self._step.armed = True
         return self.module(*args, **kwargs)
-
-    def _buffers_follow_gradients(self) -> bool:
-        """Whether this forward's buffers may reach the other ranks with the last bucket."""
-        # Not under join(): a joined rank shadows the broadcast before each forward.
-        return (
-            self._only_norm_buffers
-            and self._join is None
-            and bool(self._buckets)
-            and all(layer.training for layer in self._norm_layers)
-        )
-
-    @torch.no_grad()
-    def _sync_buffers(self, src: int) -> None:
-        """Collective: every rank's buffers become rank `src`'s (join() shadows this too)."""
-        self._start_buffer_sync(src).wait()
-
-    def _start_buffer_sync(self, src: int) -> Waitable:
-        """Collective, asynchronous: rank `src`'s buffers as they are now, in place by wait()."""
-        # A hook with its own broadcast (shared memory) saves the backend's round trip.
-        by_hook = getattr(self.comm_hook, "start_broadcast", None)
-        work = by_hook(self._buffers_list, src) if by_hook is not None else None
-        if work is None:
-            work = start_broadcast_coalesced(self._buffer_chunks, self.process_group, src)
-        return work
 
     def _parameters_changed(self) -> bool:
         if _total_len(self._module_dicts) != self._sizes_at_wrap[1]:
@@ -344,24 +308,10 @@ class DistributedDataParallel(nn.Module):
             # Scaling while copying, as the official reducer does: one pass over the gradient.
             torch.mul(grad, 1.0 / divisor, out=view)
         else:
-            # A hook's narrower wire dtype (bf16): scale in the gradient's dtype through a
-            # cache-sized scratch, then cast, so memory is crossed once. On CPU a mixed-dtype
-            # mul(out=) takes a ~4x slower unvectorized path, and cast-then-scale a second
-            # pass (68 MB fp32 -> bf16, one thread: 49 / 18.5 / 14 ms).
+            # A hook's narrower wire dtype (bf16).
             if self._scratch.dtype != grad.dtype:
-                self._scratch = torch.empty(_CAST_CHUNK, dtype=grad.dtype, device=grad.device)
-            scale = 1.0 / divisor
-            if grad.stride() != view.stride():
-                grad = grad.contiguous(memory_format=memory_format(view))
-            pieces = zip(
-                memory_order(grad).split(_CAST_CHUNK),
-                memory_order(view).split(_CAST_CHUNK),
-                strict=True,
-            )
-            for source, target in pieces:
-                scaled = self._scratch[: source.numel()]
-                torch.mul(source, scale, out=scaled)
-                target.copy_(scaled)
+                self._scratch = torch.empty(CAST_CHUNK, dtype=grad.dtype, device=grad.device)
+            scale_into_narrower(grad, 1.0 / divisor, view, self._scratch)
 
     def _launch_ready_buckets(self) -> None:
         step = self._step
@@ -377,8 +327,8 @@ class DistributedDataParallel(nn.Module):
                 step.works[b] = (launch or self.comm_hook)(self._buckets[b], self.process_group)
             step.next_bucket += 1
             if b == last and step.sync_buffers:
-                with profiling.mark("ddptrain.launch buffers"), torch.no_grad():
-                    step.buffer_work = self._start_buffer_sync(0)
+                with profiling.mark("ddptrain.launch buffers"):
+                    step.buffer_work = self._model_buffers.start_sync(0)
 
     def _finalize(self) -> None:
         with profiling.mark("ddptrain.finalize"):

@@ -157,8 +157,8 @@ class Join:
                 return
             self._maybe_throw(states)
             active = [r for r, s in enumerate(states) if s]
-            if ddp.broadcast_buffers and self.world_size > 1 and ddp._buffers_list:
-                ddp._sync_buffers(active[-1])
+            if ddp.broadcast_buffers and self.world_size > 1 and ddp._model_buffers:
+                ddp._model_buffers.sync(active[-1])
             if self._sync_bns and any(s & _TRAINING for s in states):
                 for layer in self._sync_bns:
                     sync_batchnorm.shadow_forward(layer)
@@ -176,7 +176,7 @@ class Join:
         ddp = self.ddp
         tensors = [p.detach() for _, p in ddp._named_params]
         if ddp.broadcast_buffers:
-            tensors += ddp._buffers_list
+            tensors += ddp._model_buffers.tensors
         with torch.no_grad():
             broadcast_coalesced(coalesce(tensors), self.group, src)
 

@@ -16,19 +16,18 @@ touches another's row, so the next backward may overwrite its own.
 
 from __future__ import annotations
 
-import collections
 import os
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ddptrain import profiling
+from ddptrain.parallel.runner import Job, OrderedRunner
 
 SHM_DIR = "/dev/shm"
 # Room left free in SHM_DIR: a full tmpfs kills a process with SIGBUS, not an exception.
@@ -76,7 +75,7 @@ class SharedMemoryHook:
         self._prefix = os.path.join(SHM_DIR, f"ddptrain-{box[0]}")
         self._allocations = 0
         self._shared: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        self._runner = _OrderedRunner()
+        self._runner = OrderedRunner()
         self._barrier: _SharedBarrier | None = None
         # broadcast(): per tensor layout, a shared file of two byte slots and the calls so far.
         self._staging: dict[tuple, torch.Tensor | None] = {}
@@ -194,7 +193,7 @@ class SharedMemoryHook:
         work.wait()
         return True
 
-    def start_broadcast(self, tensors: list[torch.Tensor], src: int) -> _Job | None:
+    def start_broadcast(self, tensors: list[torch.Tensor], src: int) -> Job | None:
         """Collective, asynchronous: `broadcast` queued behind the buckets already submitted.
 
         None, having done nothing, where the hook cannot (no shared memory, a tensor not a
@@ -309,99 +308,6 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True
     return state not in ("Z", "X")
-
-
-class _Job:
-    """One submitted function: `wait()` returns its result or re-raises its error."""
-
-    def __init__(self, runner: _OrderedRunner, fn: Callable, args: tuple, on_wait: bool) -> None:
-        self._runner, self.fn, self.args = runner, fn, args
-        self.on_wait = on_wait
-        self.done = False
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def wait(self) -> Any:
-        self._runner.wait_for(self)
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-class _OrderedRunner:
-    """Runs jobs one at a time in submission order: on a worker thread, or on a thread that
-    waits for a job (it runs any not yet started ahead of it, then its own). The worker never
-    starts a job submitted with wake=False, nor is it woken for one: its waiter, who waits at
-    once, runs it without the two thread wake-ups (and GIL hand-offs) that cost ~0.1 ms each
-    on a busy machine."""
-
-    def __init__(self) -> None:
-        lock = threading.Lock()
-        self._work_ready = threading.Condition(lock)  # the worker sleeps here
-        self._job_done = threading.Condition(lock)  # waiters sleep here
-        self._queue: collections.deque[_Job] = collections.deque()
-        self._busy = False
-        self._closed = False
-        self._thread = threading.Thread(target=self._work, name="ddptrain-shm", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable, *args: Any, wake: bool = True) -> _Job:
-        """Queue fn(*args); wake=False: for the thread that will wait for it at once."""
-        job = _Job(self, fn, args, on_wait=not wake)
-        with self._work_ready:
-            self._queue.append(job)
-            if wake:
-                self._work_ready.notify()
-        return job
-
-    def on_waiting_thread(self) -> bool:
-        """Whether the caller is a thread waiting for its job, not the worker."""
-        return threading.current_thread() is not self._thread
-
-    def wait_for(self, job: _Job) -> None:
-        with self._job_done:
-            while not job.done:
-                if not self._busy and self._queue:
-                    self._run_next()
-                else:
-                    self._job_done.wait()
-
-    def close(self) -> None:
-        with self._work_ready:
-            self._closed = True
-            self._work_ready.notify()
-        self._thread.join()
-
-    def _worker_may_start(self) -> bool:
-        head = self._queue[0] if self._queue else None
-        return not self._busy and head is not None and (self._closed or not head.on_wait)
-
-    def _work(self) -> None:
-        with self._work_ready:
-            while True:
-                if self._worker_may_start():
-                    self._run_next()
-                elif self._closed and not self._queue:
-                    return
-                else:
-                    self._work_ready.wait()
-
-    def _run_next(self) -> None:
-        # Called holding the lock; runs the job without it.
-        job = self._queue.popleft()
-        self._busy = True
-        self._work_ready.release()
-        try:
-            job.result = job.fn(*job.args)
-        except BaseException as e:  # noqa: BLE001 - re-raised by the waiter
-            job.error = e
-        finally:
-            self._work_ready.acquire()
-            self._busy = False
-            job.done = True
-            self._job_done.notify_all()
-            if self._worker_may_start():
-                self._work_ready.notify()
 
 
 class _Done:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import worlds
+from ddptrain.parallel.buffers import ModelBuffers
 from ddptrain.parallel.ddp import DistributedDataParallel
 
 WORLD_TIMEOUT_S = 240
@@ -165,3 +166,18 @@ def test_other_buffers_are_broadcast_before_the_forward_that_reads_them(world):
     for r in worlds.outcome(world, "read_buffer"):
         assert r["events"] == BEFORE_FORWARD
         assert r["output_uses_rank0s"]
+
+
+def test_only_norm_statistics_in_training_mode_may_follow_the_gradients():
+    """BatchNorm/InstanceNorm in training: yes; in eval mode, or beside another buffer: no."""
+
+    def follows(module: nn.Module) -> bool:
+        return ModelBuffers(module, comm_hook=None, process_group=None).follow_gradients()
+
+    norms = nn.Sequential(nn.BatchNorm1d(4), nn.InstanceNorm1d(4, track_running_stats=True))
+    assert follows(norms)
+    norms[1].eval()
+    assert not follows(norms)
+    assert not follows(_Scaled())
+    assert not follows(nn.Sequential(nn.BatchNorm1d(4), _Scaled()))
+    assert not ModelBuffers(nn.Linear(2, 2), None, None)  # no buffers at all
