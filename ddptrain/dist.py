@@ -19,8 +19,10 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import torch
@@ -237,8 +239,36 @@ def current_info() -> DistInfo:
     )
 
 
+# What shutdown() closes before it destroys the groups: comm hooks' worker threads and their
+# own groups. A group left alive until the interpreter exits may still have a gloo thread
+# releasing a finished collective's tensors, which takes the GIL that an exiting interpreter no
+# longer gives: a C++ abort ("terminate called without an active exception") instead of exit 0.
+_closers: list[weakref.WeakMethod] = []
+
+
+def close_at_shutdown(method: Callable[[], None]) -> None:
+    """Have shutdown() call `method` first (a bound method; its object is held weakly)."""
+    _closers.append(weakref.WeakMethod(method))
+
+
+def release_group(group: Any) -> None:
+    """Destroy a group made with new_group(), unless shutdown() destroyed it already."""
+    if group is None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # no longer registered: destroyed with the default group
+        pass
+
+
 def shutdown() -> None:
-    """Destroy the default process group if there is one (safe to call twice)."""
+    """Close what was registered with close_at_shutdown, then destroy every process group
+    (safe to call twice)."""
+    closers = [ref() for ref in reversed(_closers)]
+    _closers.clear()
+    for close in closers:
+        if close is not None:
+            close()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,5 +1,9 @@
 """Environment parsing and process-group setup (monkeypatched env, one real world of size 1)."""
 
+import os
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +14,7 @@ from ddptrain.dist import (
     resolve_backend,
     resolve_device,
 )
+from ddptrain.parallel.comm import RingHook
 
 
 def test_no_launcher_variables_is_a_world_of_one():
@@ -100,6 +105,40 @@ def test_collective_helpers_across_ranks():
     """mean/sum helpers reduce over ranks and broadcast_object sends rank 0's decision."""
     results = ddptrain.spawn(_run_collectives, 3, timeout_s=60)
     assert results == [(1.0, 6.0, {"stop": True})] * 3
+
+
+def _collective_threads() -> list[str]:
+    """gloo's C++ threads (named in /proc) and ddptrain's Python worker threads, sorted."""
+    tasks = os.listdir("/proc/self/task")
+    native = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in tasks]
+    python = [t.name for t in threading.enumerate()]
+    return sorted(n for n in native + python if n.startswith(("gloo", "pt_gloo", "ddptrain")))
+
+
+def _run_shutdown_with_hooks() -> tuple:
+    ddptrain.init_distributed()
+    model = ddptrain.DDP(torch.nn.Linear(4, 2))
+    ring = ddptrain.DDP(torch.nn.Linear(4, 2), comm_hook=RingHook())
+    for wrapped in (model, ring):
+        wrapped(torch.randn(3, 4)).sum().backward()
+    during = _collective_threads()
+    ddptrain.shutdown()
+    after = _collective_threads()
+    try:
+        model.comm_hook(model._buckets[0], None)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return during, after, refused
+
+
+def test_shutdown_closes_hook_threads_and_groups_before_exit():
+    """shutdown() stops the hooks' worker threads and destroys their groups: no gloo thread
+    outlives it (one that does can abort the interpreter's exit), and a closed hook refuses."""
+    for during, after, refused in ddptrain.spawn(_run_shutdown_with_hooks, 2, timeout_s=60):
+        assert "ddptrain-shm" in during and any(n.startswith("pt_gloo") for n in during)
+        assert after == []
+        assert "closed" in refused
 
 
 def _run_fail_on_rank1() -> None:

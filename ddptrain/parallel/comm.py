@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddptrain.dist import close_at_shutdown, release_group
 from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 
 HOOK_NAMES = (
@@ -135,6 +136,7 @@ class RingHook:
         # One receive buffer, grown to the largest bucket: no allocation per bucket and step.
         self._scratch = torch.empty(0)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-ring")
+        close_at_shutdown(self.close)
 
     def __call__(self, bucket: torch.Tensor, group: Any) -> _FutureWork | _Done:
         if self.world_size == 1:
@@ -148,8 +150,11 @@ class RingHook:
         return ring_all_reduce(bucket, self.group, self._scratch)
 
     def close(self) -> None:
-        """Stop the worker thread (pending buckets finish first)."""
-        self._executor.shutdown(wait=True)
+        """Stop the worker thread (buckets not yet started are cancelled) and destroy the hook's
+        group; ddptrain.shutdown() calls it."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        release_group(self.group)
+        self.group = None
 
 
 class _CastBuffers:

@@ -5,7 +5,7 @@
     job.wait()                                 # fn's result (its error re-raised)
     now = runner.submit(fn, a, wake=False)     # left to the caller, who waits at once:
     now.wait()                                 # it runs here, with no thread wake-up
-    runner.close()
+    runner.close()                             # jobs not started yet are cancelled
 
 The shared-memory transport (shm.py) runs its bucket reductions through one, so that a bucket
 filled early is summed while backward goes on, and every rank's reductions run in the same
@@ -58,6 +58,8 @@ class OrderedRunner:
         """Queue fn(*args); wake=False: for the thread that will wait for it at once."""
         job = Job(self, fn, args, on_wait=not wake)
         with self._work_ready:
+            if self._closed:
+                raise RuntimeError("the runner is closed")
             self._queue.append(job)
             if wake:
                 self._work_ready.notify()
@@ -75,23 +77,29 @@ class OrderedRunner:
                 else:
                     self._job_done.wait()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel the jobs not yet started (their wait() raises) and stop the worker, waiting
+        up to timeout_s for a job it is running. After an error a queued job may be a
+        collective the other ranks never join, so none is started here."""
         with self._work_ready:
             self._closed = True
+            while self._queue:
+                job = self._queue.popleft()
+                job.error = RuntimeError("cancelled: the runner was closed before it started")
+                job.done = True
+            self._job_done.notify_all()
             self._work_ready.notify()
-        self._thread.join()
+        self._thread.join(timeout_s)
 
     def _worker_may_start(self) -> bool:
         head = self._queue[0] if self._queue else None
-        return not self._busy and head is not None and (self._closed or not head.on_wait)
+        return not self._busy and head is not None and not head.on_wait
 
     def _work(self) -> None:
         with self._work_ready:
-            while True:
+            while not self._closed:
                 if self._worker_may_start():
                     self._run_next()
-                elif self._closed and not self._queue:
-                    return
                 else:
                     self._work_ready.wait()
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain import profiling
+from ddptrain.dist import close_at_shutdown, release_group
 from ddptrain.parallel.runner import Job, OrderedRunner
 
 SHM_DIR = "/dev/shm"
@@ -68,6 +69,7 @@ class SharedMemoryHook:
         self.min_bytes = min_bytes
         # Its own gloo group: allocation collectives never interleave with the wrapper's.
         self.group = dist.new_group(ranks=ranks, backend="gloo")
+        close_at_shutdown(self.close)
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         box = [uuid.uuid4().hex if self.rank == 0 else None]
@@ -153,6 +155,7 @@ class SharedMemoryHook:
     def _launch(self, bucket: torch.Tensor, group: Any, on_wait: bool) -> Any:
         if self.world_size == 1:
             return _Done()
+        self._check_open()
         flat = self._shared.get(bucket.data_ptr())
         if flat is None or flat.numel() != self.world_size * bucket.numel():
             return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
@@ -203,6 +206,7 @@ class SharedMemoryHook:
         (at call k + 2) once every rank has read it. `src` copies its tensors out when the job
         runs, and the others copy in before `wait()` returns.
         """
+        self._check_open()
         if self._barrier is None or not tensors:
             return None
         if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
@@ -228,9 +232,20 @@ class SharedMemoryHook:
         if self.rank != src:
             torch._foreach_copy_(as_bytes, slot.split([b.numel() for b in as_bytes]))
 
+    def _check_open(self) -> None:
+        if self.group is None:
+            raise RuntimeError(
+                "this SharedMemoryHook was closed (ddptrain.shutdown() closes it); build the "
+                "model's wrapper again after init_distributed()"
+            )
+
     def close(self) -> None:
-        """Stop the worker thread (pending buckets finish first)."""
+        """Stop the worker thread (reductions not yet started are cancelled) and destroy the
+        hook's group; ddptrain.shutdown() calls it. The hook reduces nothing afterwards."""
         self._runner.close()
+        self._barrier = None
+        release_group(self.group)
+        self.group = None
 
 
 class _SharedBarrier:

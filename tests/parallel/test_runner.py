@@ -58,12 +58,28 @@ def test_jobs_left_to_the_waiter_run_on_its_thread_after_those_before():
         runner.close()
 
 
-def test_close_runs_what_is_left_then_stops_the_worker():
-    """close() finishes every queued job, those left to a waiter too, and joins the thread."""
+def test_close_cancels_what_has_not_started_and_stops_the_worker():
+    """close() runs nothing more: queued jobs fail when waited for, new ones are refused."""
     runner = OrderedRunner()
     done: list[int] = []
-    runner.submit(done.append, 1, wake=False)
-    runner.submit(done.append, 2)
+    left = runner.submit(done.append, 1, wake=False)
     runner.close()
-    assert done == [1, 2]
-    assert not runner._thread.is_alive()
+    assert done == [] and not runner._thread.is_alive()
+    with pytest.raises(RuntimeError, match="cancelled"):
+        left.wait()
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.submit(done.append, 2)
+
+
+def test_close_waits_a_bounded_time_for_a_running_job():
+    """A job that never ends (a peer that never comes) does not hang close()."""
+    runner = OrderedRunner()
+    release = threading.Event()
+    started = threading.Event()
+    stuck = runner.submit(lambda: started.set() or release.wait())
+    assert started.wait(WORKER_TIMEOUT_S)
+    runner.close(timeout_s=0.2)
+    assert runner._thread.is_alive() and not stuck.done
+    release.set()
+    runner._thread.join(WORKER_TIMEOUT_S)
+    assert stuck.done and not runner._thread.is_alive()
