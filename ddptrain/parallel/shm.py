@@ -4,6 +4,8 @@
     bucket = hook.allocate(numel, torch.float32, torch.device("cpu"))   # a row of a shared file
     bucket.copy_(values)
     hook(bucket, None).wait()                     # bucket now holds the SUM over ranks
+    hook.start_broadcast(tensors, 0).wait()       # rank 0's tensors everywhere (buffers)
+    hook.close()                                  # ddptrain.shutdown() does it
 
 Gloo sends every byte through loopback TCP, copied into and out of the kernel on both sides,
 and even a 100 KB all_reduce costs ~2 ms inside a training step here. Instead, the wrapper's
@@ -11,7 +13,9 @@ buckets are rows of one shared file per bucket: rank r sums chunk r of every row
 first, then the others by rank: at world size 2 bitwise the backend's a + b) and writes the
 sum into every row. Ranks meet at two barriers per bucket (rows full; chunks summed), counters
 in shared memory that a waiting rank polls, then sleeps on; after the second barrier no rank
-touches another's row, so the next backward may overwrite its own.
+touches another's row, so the next backward may overwrite its own. Reductions run in launch
+order on a worker thread (runner.py), except those waited for at once (a backward's last
+bucket, buffer broadcasts), which the waiting thread runs itself.
 """
 
 from __future__ import annotations
