@@ -5,8 +5,9 @@
     settings = {"hosts": hosts(raw), "bucket_transport": transport(raw)}   # pure, on rank 0
 
 A one-host run reduces buckets in shared memory by default; ranks on different hosts (or in
-fake ones, ddptrain.netns) cannot, and their buckets go through the backend's all_reduce. The
-settings make the two kinds of run impossible to mistake for each other.
+fake ones, ddptrain.netns) cannot, and their buckets go over direct TCP connections (or the
+backend's all_reduce, where the ranks cannot connect). The settings make the kinds of run
+impossible to mistake for each other.
 """
 
 from __future__ import annotations
@@ -19,21 +20,26 @@ import torch
 
 from ddptrain.parallel.ddp import DistributedDataParallel
 from ddptrain.parallel.shm import SHM_DIR
+from ddptrain.parallel.tcp import SocketHook
 
 
 def bucket_transport(model: DistributedDataParallel) -> str:
-    """How the wrapper's buckets were reduced in its last backward: "shared_memory", "backend",
-    "mixed", or "none" (a world of one)."""
+    """How the wrapper's buckets were reduced in its last backward: "shared_memory", "tcp",
+    "backend", "mixed", or "none" (a world of one)."""
     # Each .grad is a view of its bucket after backward, and a bucket SharedMemoryHook
     # reduces is a row of a file it mapped in SHM_DIR; any other bucket (a private tensor)
-    # goes through the backend's all_reduce. This reads where the memory is, not which hook
-    # was asked for, so a fallback (a full tmpfs, ranks on two hosts) shows.
+    # goes through the TCP hook or the backend's all_reduce. This reads where the memory is,
+    # not which hook was asked for, so a fallback (a full tmpfs, ranks on two hosts) shows;
+    # a TCP hook exists only where its connections were made.
     if model.world_size == 1:
         return "none"
     shared = {_in_shared_file(p.grad) for p in model.module.parameters() if p.grad is not None}
     if shared == {True}:
         return "shared_memory"
-    return "mixed" if shared == {True, False} else "backend"
+    if shared == {True, False}:
+        return "mixed"
+    hook = model.comm_hook
+    return "tcp" if isinstance(getattr(hook, "inner", hook), SocketHook) else "backend"
 
 
 def _in_shared_file(t: torch.Tensor) -> bool:

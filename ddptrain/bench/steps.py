@@ -61,6 +61,7 @@ EXTRAS = {
     "fp16": "fp16",
     "gloo-bf16": "allreduce-bf16",
     "ring": "ring",
+    "tcp": "tcp",
 }
 # Opt-in optimizer variants (ddptrain's wrapper, default hook): name -> (optimizer class, sharded
 # by ZeRO stage 1). Every other variant steps plain SGD, so compare zero with adamw and zero-sgd

@@ -19,6 +19,7 @@ the same order, because constructing and allocating run collectives.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -27,11 +28,14 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.dist import close_at_shutdown, release_group
+from ddptrain.parallel.ring import ring_reduce, scratch_for
 from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
+from ddptrain.parallel.tcp import HOST_ENV, SocketHook
 
 HOOK_NAMES = (
     "allreduce",
     "shm",
+    "tcp",
     "ring",
     "bf16",
     "fp16",
@@ -61,20 +65,9 @@ def ring_all_reduce(
     rank = dist.get_rank(group)
     right = _global_rank(group, (rank + 1) % world_size)
     left = _global_rank(group, (rank - 1) % world_size)
-    chunks = list(torch.chunk(tensor.view(-1), world_size))
-    # torch.chunk returns fewer pieces when the tensor is small; empty ones keep the indexing.
-    chunks += [tensor.view(-1)[:0]] * (world_size - len(chunks))
-    if scratch is None or scratch.numel() < chunks[0].numel() or scratch.dtype != tensor.dtype:
-        scratch = torch.empty_like(chunks[0])
-    for step in range(world_size - 1):
-        send, recv = chunks[(rank - step) % world_size], chunks[(rank - step - 1) % world_size]
-        incoming = scratch[: recv.numel()]
-        _exchange(send, incoming, right, left, group)
-        recv.add_(incoming)
-    # Now rank r holds the full sum of chunk r + 1; pass the finished chunks around.
-    for step in range(world_size - 1):
-        send, recv = chunks[(rank + 1 - step) % world_size], chunks[(rank - step) % world_size]
-        _exchange(send, recv, right, left, group)
+    flat = tensor.view(-1)
+    scratch = scratch_for(flat, world_size, scratch)
+    ring_reduce(flat, rank, world_size, scratch, lambda s, r: _exchange(s, r, right, left, group))
     return tensor
 
 
@@ -144,9 +137,7 @@ class RingHook:
         return _FutureWork(self._executor.submit(self._reduce, bucket))
 
     def _reduce(self, bucket: torch.Tensor) -> torch.Tensor:
-        needed = -(-bucket.numel() // self.world_size)
-        if self._scratch.dtype != bucket.dtype or self._scratch.numel() < needed:
-            self._scratch = torch.empty(needed, dtype=bucket.dtype, device=bucket.device)
+        self._scratch = scratch_for(bucket, self.world_size, self._scratch)
         return ring_all_reduce(bucket, self.group, self._scratch)
 
     def close(self) -> None:
@@ -248,18 +239,20 @@ class CastHook:
 def make_hook(name: str, process_group: Any = None) -> Any:
     """Build a comm hook by its CLI name (one of HOOK_NAMES); collective: call on every rank.
 
-    "allreduce" is the backend's all_reduce; "bf16"/"fp16" cast around the default transport
-    (shared memory on one CPU host, else the backend); "allreduce-bf16" forces the backend.
+    "allreduce" is the backend's all_reduce; "shm" and "tcp" force a transport (and raise
+    where it cannot serve); "bf16"/"fp16" cast around the default transport
+    (`default_transport`); "allreduce-bf16" forces the backend.
     """
     if name == "allreduce":
         return allreduce_hook
     if name == "shm":
         return SharedMemoryHook(process_group)
+    if name == "tcp":
+        return SocketHook(process_group)
     if name == "ring":
         return RingHook(process_group)
     if name in ("bf16", "fp16"):
-        usable = shared_memory_usable(process_group)
-        inner = SharedMemoryHook(process_group) if usable else None
+        inner = default_transport(process_group)
         return CastHook(torch.bfloat16 if name == "bf16" else torch.float16, inner)
     if name in ("allreduce-bf16", "allreduce-fp16"):
         return CastHook(torch.bfloat16 if name == "allreduce-bf16" else torch.float16)
@@ -267,6 +260,24 @@ def make_hook(name: str, process_group: Any = None) -> Any:
         dtype = torch.bfloat16 if name == "ring-bf16" else torch.float16
         return CastHook(dtype, RingHook(process_group))
     raise ValueError(f"unknown comm hook {name!r}; choose one of {', '.join(HOOK_NAMES)}")
+
+
+def default_transport(process_group: Any = None, on_cpu: bool = True) -> Any:
+    """Collective: how CPU buckets are reduced by default: shared memory when every rank is on
+    one host, else direct TCP connections under gloo; None (the backend's all_reduce) where
+    neither serves (GPU buckets, NCCL, ranks that cannot connect to each other)."""
+    if shared_memory_usable(process_group, on_cpu):
+        return SharedMemoryHook(process_group)
+    if not on_cpu or dist.get_backend(process_group) != "gloo":
+        return None
+    hook = SocketHook.connect(process_group)
+    if hook is None and dist.get_rank(process_group) == 0:
+        warnings.warn(
+            "ddptrain: the ranks could not open TCP connections to each other; gradients go "
+            f"through the backend's all_reduce (set {HOST_ENV} to this host's address)",
+            stacklevel=2,
+        )
+    return hook
 
 
 # The name TrainerConfig.resolve_comm_hook calls.

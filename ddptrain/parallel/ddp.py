@@ -51,10 +51,9 @@ from ddptrain.parallel.buckets import (
     mb_to_bytes,
 )
 from ddptrain.parallel.buffers import ModelBuffers
-from ddptrain.parallel.comm import allreduce_hook, local_hook
+from ddptrain.parallel.comm import allreduce_hook, default_transport, local_hook
 from ddptrain.parallel.layout import CAST_CHUNK, scale_into_narrower, view_like
 from ddptrain.parallel.replicas import broadcast_coalesced, coalesce, verify_same_model
-from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 from ddptrain.parallel.step_state import StepState
 
 
@@ -405,9 +404,9 @@ def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def _default_hook(module: nn.Module, group: Any) -> CommHook:
-    """Nothing to send alone; shared-memory buckets when every rank is a CPU process on one
-    host; else the backend's all_reduce."""
+    """Nothing to send alone; for CPU processes, shared memory on one host or direct TCP
+    across hosts (comm.default_transport); else the backend's all_reduce."""
     if dist.get_world_size(group) == 1:
         return local_hook
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())
-    return SharedMemoryHook(group) if shared_memory_usable(group, on_cpu) else allreduce_hook
+    return default_transport(group, on_cpu) or allreduce_hook

@@ -36,6 +36,7 @@ from ddptrain.parallel.comm import CastHook, RingHook
 from ddptrain.parallel.replicas import broadcast_coalesced, coalesce
 from ddptrain.parallel.shm import SharedMemoryHook
 from ddptrain.parallel.step_state import StepState
+from ddptrain.parallel.tcp import SocketHook
 
 if TYPE_CHECKING:
     from ddptrain.parallel.ddp import DistributedDataParallel
@@ -202,8 +203,8 @@ def _check_sync_bn_groups(ddp: DistributedDataParallel, layers: list) -> None:
 
 def _reduces_on_group(hook: object) -> bool:
     """Whether a hook reduces buckets with collectives on the wrapper's process group."""
-    if isinstance(hook, (SharedMemoryHook, RingHook)):
-        return False  # shared-memory barriers, or a group of its own
+    if isinstance(hook, (SharedMemoryHook, RingHook, SocketHook)):
+        return False  # shared-memory barriers, a group of its own, or sockets
     if isinstance(hook, CastHook):
         return hook.inner is None or _reduces_on_group(hook.inner)
     return True

@@ -81,7 +81,7 @@ class SharedMemoryHook:
         self._prefix = os.path.join(SHM_DIR, f"ddptrain-{box[0]}")
         self._allocations = 0
         self._shared: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        self._runner = OrderedRunner()
+        self._runner = OrderedRunner("ddptrain-shm")
         self._barrier: _SharedBarrier | None = None
         # broadcast(): per tensor layout, a shared file of two byte slots and the calls so far.
         self._staging: dict[tuple, torch.Tensor | None] = {}

@@ -19,7 +19,7 @@ def test_quick_run_writes_the_expected_json(tmp_path):
     assert saved["settings"]["world_size"] == 2 and saved["settings"]["backend"] == "gloo"
     assert saved["settings"]["launcher"] == "spawn"
     assert [h["ranks"] for h in saved["settings"]["hosts"]] == [[0, 1]]
-    one_host = "shared_memory" if os.access("/dev/shm", os.W_OK) else "backend"
+    one_host = "shared_memory" if os.access("/dev/shm", os.W_OK) else "tcp"
     assert saved["settings"]["bucket_transport"] == one_host
     lenet = saved["models"]["lenet"]
     expected = list(bench.BASE_VARIANTS) + [f"ddptrain_{e}" for e in bench.EXTRAS]

@@ -34,8 +34,9 @@ def _clean_env() -> dict[str, str]:
 
 
 def _one_host_transport() -> str:
-    # What SharedMemoryHook.available() finds on one host: a /dev/shm every rank can write.
-    return "shared_memory" if os.access("/dev/shm", os.W_OK) else "backend"
+    # What SharedMemoryHook.available() finds on one host: a /dev/shm every rank can write;
+    # without one, the ranks connect over TCP.
+    return "shared_memory" if os.access("/dev/shm", os.W_OK) else "tcp"
 
 
 def test_under_torchrun_rank_0_writes_every_variant(tmp_path):
@@ -98,9 +99,9 @@ def _ours(pid: int) -> list[str]:
     return [name for name in namespaces() if name.startswith("ddpb-") and name.endswith(f"-{pid}")]
 
 
-def test_two_hosts_reduce_over_the_backend_and_leave_no_namespace(root_and_netns, tmp_path):
+def test_two_hosts_reduce_over_tcp_and_leave_no_namespace(root_and_netns, tmp_path):
     """--two-hosts --quick: one rank in each of two namespaces, a JSON whose settings say the
-    wrapper's buckets went over the backend (not shared memory); the namespaces are gone after."""
+    wrapper's buckets went over direct TCP (not shared memory); the namespaces are gone after."""
     argv = ["--two-hosts", "--quick", "--no-plot", "--out", str(tmp_path), "--timeout-s", "150"]
     try:
         result = bench_hosts.main(argv)
@@ -110,7 +111,7 @@ def test_two_hosts_reduce_over_the_backend_and_leave_no_namespace(root_and_netns
     assert saved == result
     settings = saved["settings"]
     assert settings["world_size"] == 2 and settings["launcher"] == "torchrun"
-    assert settings["bucket_transport"] == "backend"
+    assert settings["bucket_transport"] == "tcp"
     first, second = settings["hosts"]
     assert first["ranks"] == [0] and second["ranks"] == [1]
     here = os.readlink("/proc/self/ns/net")

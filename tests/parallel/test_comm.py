@@ -64,6 +64,7 @@ CASES_BY_WORLD = {
         "many_buckets_shm",
         "many_buckets_allreduce",
         "many_buckets_ring",
+        "many_buckets_tcp",
         "narrowed_allreduce-bf16",
         "narrowed_allreduce-fp16",
     ],
@@ -380,9 +381,11 @@ def _many_buckets(info, hook_name: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("hook_name", [pytest.param("shm", marks=needs_shm), "allreduce", "ring"])
+@pytest.mark.parametrize(
+    "hook_name", [pytest.param("shm", marks=needs_shm), "allreduce", "ring", "tcp"]
+)
 def test_hooks_with_many_buckets_and_no_sync_equal_official_ddp(world, hook_name):
-    """Many small buckets, no_sync accumulation: shm, backend and ring hooks equal torch DDP."""
+    """Many small buckets, no_sync accumulation: shm, backend, ring, tcp hooks equal torch DDP."""
     for r in worlds.outcome(world(2), f"many_buckets_{hook_name}"):
         assert r["n_buckets"] > 3
         assert r["equal"]
@@ -440,7 +443,7 @@ CASES = {
     "default_hooks": _case_default_hooks,
     **{
         f"many_buckets_{h}": functools.partial(_many_buckets, hook_name=h)
-        for h in ("shm", "allreduce", "ring")
+        for h in ("shm", "allreduce", "ring", "tcp")
     },
     **{
         f"narrowed_{h}": functools.partial(_narrowed_gradients, hook_name=h)

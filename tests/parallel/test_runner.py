@@ -29,7 +29,7 @@ def test_the_worker_runs_woken_jobs_in_order_and_errors_reach_the_waiter():
         ]
         failing = runner.submit(lambda: 1 / 0)
         _until_done(failing)  # nobody waits: the worker ran them all
-        assert seen == [(i, "ddptrain-shm") for i in range(5)]
+        assert seen == [(i, "ddptrain-runner") for i in range(5)]
         assert [job.wait() for job in jobs] == list(range(5))
         with pytest.raises(ZeroDivisionError):
             failing.wait()
