@@ -1,7 +1,7 @@
 """A tiny deterministic DDP training job for the multi-node test (tests/test_multinode.py).
 
     torchrun --standalone --nproc_per_node=4 tests/multinode_job.py --out ref.pt \
-        --comm-hook allreduce
+        --comm-hook tcp
     torchrun --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \
         tests/multinode_job.py --out multi.pt
     mpirun -np 2 python tests/multinode_job.py --out mpi.pt     # or srun -n 2 (test_slurm_mpi)
@@ -11,7 +11,7 @@ synthetic batches seeded by (step, rank), so the result depends only on the worl
 rank order and the algorithm that sums gradients, not on how ranks are spread over hosts.
 Rank 0 saves the final parameters, the comm hook the wrapper used and, per rank, where it ran:
 its network namespace, the address it would use to reach MASTER_ADDR, the launcher variables
-it saw, and its open TCP connections (gloo's full mesh among them).
+it saw, and its open TCP connections (gloo's full mesh and the TCP ring's among them).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import ddptrain
 from ddptrain.models import LeNet
-from ddptrain.parallel.ddp import allreduce_hook
+from ddptrain.parallel.comm import make_hook
 
 PER_RANK_BATCH_SIZE = 8
 _TCP_ESTABLISHED = "01"
@@ -113,15 +113,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument(
         "--comm-hook",
-        choices=["default", "allreduce"],
+        choices=["default", "allreduce", "tcp"],
         default="default",
-        help="'allreduce' pins the backend all_reduce instead of the wrapper's choice",
+        help="pins the backend's all_reduce or the TCP ring instead of the wrapper's choice",
     )
     args = parser.parse_args(argv)
 
     info = ddptrain.init_distributed(backend="gloo")
     torch.manual_seed(0)
-    hook = allreduce_hook if args.comm_hook == "allreduce" else None
+    hook = None if args.comm_hook == "default" else make_hook(args.comm_hook)
     model = ddptrain.DDP(LeNet(dropout=0.0), comm_hook=hook)
     params = list(model.parameters())
     buffers = [torch.zeros_like(p) for p in params]

@@ -98,10 +98,10 @@ def test_two_namespaces_equal_one_host_of_four(two_hosts, tmp_path):
         envs.append(host.env())
     ref_out = tmp_path / "one_node.pt"
     # The single-host reference runs alongside: the launchers mostly wait on start-up and
-    # rendezvous, and separate network namespaces keep the runs apart. It pins gloo's
-    # all_reduce, the reduction two hosts get: one host may default to a shared-memory
-    # reduction that sums in another order (last-bit differences, not a bug).
-    ref_args = ["--out", str(ref_out), "--comm-hook", "allreduce"]
+    # rendezvous, and separate network namespaces keep the runs apart. It pins the TCP ring,
+    # the reduction two hosts get by default: one host defaults to a shared-memory reduction
+    # that sums in another order (last-bit differences, not a bug).
+    ref_args = ["--out", str(ref_out), "--comm-hook", "tcp"]
     ddptrain_env = {"OMP_NUM_THREADS": "1"}
 
     def reference() -> None:
@@ -111,7 +111,7 @@ def test_two_namespaces_equal_one_host_of_four(two_hosts, tmp_path):
 
     multi, ref = _load(multi_out), _load(ref_out)
     assert multi["world_size"] == ref["world_size"] == 4
-    assert multi["comm_hook"] == ref["comm_hook"] == "allreduce_hook"
+    assert multi["comm_hook"] == ref["comm_hook"] == "SocketHook"
     placements = multi["placements"]
     assert [p["rank"] for p in placements] == [0, 1, 2, 3]
     # c10d rendezvous numbers nodes in sorted order of --local-addr, so host a is node 0.

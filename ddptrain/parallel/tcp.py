@@ -43,6 +43,8 @@ _HELLO = struct.Struct("!32sq")
 # Bytes handed to one send() call: large enough to fill the socket buffer, small enough that
 # sending never stalls receiving for long.
 _SEND_CHUNK = 1 << 20
+# ioctl: an interface's IPv4 address (Linux, <linux/sockios.h>).
+_SIOCGIFADDR = 0x8915
 
 
 class SocketHook:
@@ -247,10 +249,16 @@ def _recv_exactly(conn: socket.socket, n: int) -> bytes:
 
 
 def advertised_host() -> str:
-    """The address other ranks reach this one at: $DDPTRAIN_SOCKET_HOST, else this host's
+    """The address other ranks reach this one at: $DDPTRAIN_SOCKET_HOST, else the IPv4 address
+    of the first interface in $GLOO_SOCKET_IFNAME (what gloo is told to use), else this host's
     address on its route to $MASTER_ADDR, else the address its hostname resolves to."""
     if os.environ.get(HOST_ENV):
         return os.environ[HOST_ENV]
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    if interface:
+        address = _interface_address(interface)
+        if address is not None:
+            return address
     master = os.environ.get("MASTER_ADDR")
     if master:
         try:
@@ -264,6 +272,19 @@ def advertised_host() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def _interface_address(name: str) -> str | None:
+    """The IPv4 address of network interface `name` (Linux), or None."""
+    try:
+        import fcntl
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            request = struct.pack("256s", name[:15].encode())
+            reply = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, request)
+        return socket.inet_ntoa(reply[20:24])
+    except (ImportError, OSError):
+        return None
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

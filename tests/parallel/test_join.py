@@ -42,6 +42,8 @@ CASES = {
         ("8/3 allreduce", [8, 3], "allreduce", False, "bn"),
         ("3/8 ring", [3, 8], "ring", True, "bn"),
         ("5/3 ring", [5, 3], "ring", False, "bn"),
+        ("3/8 tcp", [3, 8], "tcp", True, "bn"),
+        ("5/3 tcp", [5, 3], "tcp", False, "bn"),
         ("3/8 no_sync", [3, 8], "default", True, "no_sync"),
         ("8/5 no_sync", [8, 5], "allreduce", False, "no_sync"),
         ("4/4", [4, 4], "default", True, "bn"),
@@ -51,6 +53,7 @@ CASES = {
         ("3/5/8", [3, 5, 8], "default", False, "bn"),
         ("0/8/5", [0, 8, 5], "allreduce", True, "bn"),
         ("8/0/3 ring", [8, 0, 3], "ring", False, "bn"),
+        ("0/5/8 tcp", [0, 5, 8], "tcp", True, "bn"),
         ("5/3/8 no_sync", [5, 3, 8], "default", True, "no_sync"),
     ],
 }

@@ -199,6 +199,20 @@ def test_a_closed_hook_refuses_work(world):
     assert all("closed" in m for m in worlds.outcome(world(2), "closed_hook"))
 
 
+def test_advertised_address_follows_the_user_then_gloo_then_the_route(monkeypatch):
+    """DDPTRAIN_SOCKET_HOST wins, then GLOO_SOCKET_IFNAME's address, then the route to master."""
+    monkeypatch.delenv(tcp.HOST_ENV, raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert tcp.advertised_host() == "127.0.0.1"  # loopback's own route
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo,eth0")
+    assert tcp.advertised_host() == "127.0.0.1"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface0")
+    assert tcp.advertised_host() == "127.0.0.1"  # unknown interface: the route decides
+    monkeypatch.setenv(tcp.HOST_ENV, "10.9.8.7")
+    assert tcp.advertised_host() == "10.9.8.7"
+
+
 CASES = {
     "vs_backend": _case_vs_backend,
     "bf16": _case_bf16_inside_cast_hook,
