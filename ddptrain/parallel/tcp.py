@@ -6,8 +6,9 @@
     SocketHook.connect()                     # the same, or None on every rank if they cannot
 
 Gloo runs every collective on worker threads of its own; inside a training step, handing a
-small bucket to them and being woken when it is done costs more than sending its bytes (on
-two busy cores, LeNet's 0.25 MB all_reduce through gloo left ~3 ms of a 10 ms step exposed).
+small bucket to them and being woken when it is done costs more than sending its bytes (two
+hosts sharing 2 cores, LeNet's 0.25 MB bucket: 1.7-1.8 ms of an 8.8 ms step exposed through
+gloo, 0.7-0.8 ms here; docs/benchmarks.md).
 Here the thread that reduces a bucket sends and receives it itself: each rank keeps one TCP
 connection to the next rank of a ring and one from the previous, and the ring schedule
 (ring.py) sends through one while it receives from the other, with non-blocking sockets, so
