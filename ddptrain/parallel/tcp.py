@@ -189,22 +189,30 @@ def _connect_ring(group: Any, connect_timeout_s: float) -> _Ring | None:
     box = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
     token = box[0].encode()
-    listener = socket.create_server(("0.0.0.0", 0), backlog=world_size)
-    addresses: list[Any] = [None] * world_size
-    dist.all_gather_object(addresses, (advertised_host(), listener.getsockname()[1]), group=group)
-    right = left = None
-    error = ""
+    listener = right = left = None
+    error, mine = "", None
     try:
-        deadline = time.monotonic() + connect_timeout_s
-        right = socket.create_connection(addresses[(rank + 1) % world_size], connect_timeout_s)
-        right.sendall(_HELLO.pack(token, rank))
-        left = _accept(listener, token, (rank - 1) % world_size, deadline)
-        for s in (right, left):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        listener = socket.create_server(("0.0.0.0", 0), backlog=world_size)
+        mine = (advertised_host(), listener.getsockname()[1])
+    except OSError as e:
+        error = f"rank {rank} cannot listen: {e}"
+    # Every rank reaches every collective here, whatever failed: an error only skips work.
+    addresses: list[Any] = [None] * world_size
+    dist.all_gather_object(addresses, mine, group=group)
+    try:
+        if None not in addresses:
+            deadline = time.monotonic() + connect_timeout_s
+            peer = addresses[(rank + 1) % world_size]
+            right = socket.create_connection(peer, connect_timeout_s)
+            right.sendall(_HELLO.pack(token, rank))
+            left = _accept(listener, token, (rank - 1) % world_size, deadline)
+            for s in (right, left):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError as e:
         error = f"rank {rank} -> {addresses[(rank + 1) % world_size]}: {e}"
     finally:
-        listener.close()
+        if listener is not None:
+            listener.close()
     errors: list[Any] = [None] * world_size
     dist.all_gather_object(errors, error, group=group)
     failed = [e for e in errors if e]

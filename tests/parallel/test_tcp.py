@@ -141,6 +141,29 @@ def test_ranks_that_cannot_connect_all_fall_back_without_hanging(world):
         assert r["sum"] == [2.0] * 3
 
 
+def _case_cannot_listen(info) -> list:
+    real = tcp.socket.create_server
+
+    def refuse(*args, **kwargs):
+        raise OSError("no port for you")
+
+    if info.rank == 1:
+        tcp.socket.create_server = refuse
+    try:
+        hook = SocketHook.connect(connect_timeout_s=5.0)
+    finally:
+        tcp.socket.create_server = real
+    retry = SocketHook.connect()
+    if retry is not None:
+        retry.close()
+    return [hook is None, retry is not None]
+
+
+def test_a_rank_that_cannot_listen_makes_every_rank_fall_back(world):
+    """One rank unable to open its port: no rank hangs, all get None, and a retry connects."""
+    assert worlds.outcome(world(2), "cannot_listen") == [[True, True]] * 2
+
+
 def _case_peer_closed(info) -> str:
     hook = SocketHook()
     dist.barrier()
@@ -218,6 +241,7 @@ CASES = {
     "bf16": _case_bf16_inside_cast_hook,
     "default_across_hosts": _case_default_across_hosts,
     "unreachable": _case_unreachable,
+    "cannot_listen": _case_cannot_listen,
     "peer_closed": _case_peer_closed,
     "stalled_peer": _case_stalled_peer,
     "closed_hook": _case_closed_hook,
