@@ -15,6 +15,7 @@ from ddptrain.dist import (
     resolve_device,
 )
 from ddptrain.parallel.comm import RingHook
+from ddptrain.parallel.tcp import SocketHook
 
 
 def test_no_launcher_variables_is_a_world_of_one():
@@ -119,7 +120,8 @@ def _run_shutdown_with_hooks() -> tuple:
     ddptrain.init_distributed()
     model = ddptrain.DDP(torch.nn.Linear(4, 2))
     ring = ddptrain.DDP(torch.nn.Linear(4, 2), comm_hook=RingHook())
-    for wrapped in (model, ring):
+    tcp = ddptrain.DDP(torch.nn.Linear(4, 2), comm_hook=SocketHook())
+    for wrapped in (model, ring, tcp):
         wrapped(torch.randn(3, 4)).sum().backward()
     during = _collective_threads()
     ddptrain.shutdown()
@@ -136,7 +138,8 @@ def test_shutdown_closes_hook_threads_and_groups_before_exit():
     """shutdown() stops the hooks' worker threads and destroys their groups: no gloo thread
     outlives it (one that does can abort the interpreter's exit), and a closed hook refuses."""
     for during, after, refused in ddptrain.spawn(_run_shutdown_with_hooks, 2, timeout_s=60):
-        assert "ddptrain-shm" in during and any(n.startswith("pt_gloo") for n in during)
+        assert {"ddptrain-shm", "ddptrain-tcp"} <= set(during)
+        assert any(n.startswith("pt_gloo") for n in during)
         assert after == []
         assert "closed" in refused
 
