@@ -8,15 +8,14 @@
 Gloo runs every collective on worker threads of its own; inside a training step, handing a
 small bucket to them and being woken when it is done costs more than sending its bytes (two
 hosts sharing 2 cores, LeNet's 0.25 MB bucket: 1.7-1.8 ms of an 8.8 ms step exposed through
-gloo, 0.7-0.8 ms here; docs/benchmarks.md).
-Here the thread that reduces a bucket sends and receives it itself: each rank keeps one TCP
-connection to the next rank of a ring and one from the previous, and the ring schedule
-(ring.py) sends through one while it receives from the other, with non-blocking sockets, so
-neither direction waits for the other and no bucket is too large for the socket buffers. At
-world size 2 the sums are bitwise the backend's. Reductions run in launch order on a worker
-thread (runner.py), except a backward's last bucket, which the thread waiting for it runs.
-A peer that exits closes its sockets, and the waiting rank raises, naming it; one that hangs
-raises after `timeout_s` without progress.
+gloo, 0.7-0.8 ms here; docs/benchmarks.md). Here the thread that reduces a bucket sends and
+receives it itself: each rank keeps one TCP connection to the next rank of a ring and one from
+the previous, and the ring schedule (ring.py) sends through one while it receives from the
+other, with non-blocking sockets, so neither direction waits for the other and no bucket is
+too large for the socket buffers. At world size 2 the sums are bitwise the backend's.
+Reductions run in launch order on a worker thread (runner.py), except a backward's last
+bucket, which the thread waiting for it runs. A peer that exits closes its sockets, and the
+waiting rank raises, naming it; one that hangs raises after `timeout_s` without progress.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from ddptrain.dist import close_at_shutdown
 from ddptrain.parallel.ring import ring_reduce, scratch_for
 from ddptrain.parallel.runner import Job, OrderedRunner
 
-# The address peers connect to; by default, this host's address on its route to MASTER_ADDR.
+# The address peers connect to, when set (else see advertised_host).
 HOST_ENV = "DDPTRAIN_SOCKET_HOST"
 # A connecting rank introduces itself: the ring's token and its rank.
 _HELLO = struct.Struct("!32sq")
@@ -125,9 +124,10 @@ class SocketHook:
 class _Ring:
     """This rank's two connections: to the next rank (sends) and from the previous (receives)."""
 
-    def __init__(self, right: socket.socket, left: socket.socket, rank: int, world_size: int):
+    def __init__(self, right: socket.socket, left: socket.socket, next_: int, previous: int):
+        # The neighbours' global ranks, for error messages.
         self._right, self._left = right, left
-        self._next, self._previous = (rank + 1) % world_size, (rank - 1) % world_size
+        self._next, self._previous = next_, previous
         for s in (right, left):
             s.setblocking(False)
 
@@ -224,7 +224,11 @@ def _connect_ring(group: Any, connect_timeout_s: float) -> _Ring | None:
             f"ranks could not open TCP connections to each other ({failed[0]}); set "
             f"{HOST_ENV} to an address the other ranks reach this one at"
         )
-    return _Ring(right, left, rank, world_size)
+    neighbours = (
+        _global_rank(group, (rank + 1) % world_size),
+        _global_rank(group, (rank - 1) % world_size),
+    )
+    return _Ring(right, left, *neighbours)
 
 
 def _accept(listener: socket.socket, token: bytes, expected: int, deadline: float) -> socket.socket:
