@@ -77,12 +77,13 @@ def _load(path: Path) -> dict:
 
 
 def _gloo_peers(placement: dict) -> list[str]:
-    """Remote addresses of a rank's TCP connections other than those to the rendezvous stores."""
+    """Remote addresses of a rank's TCP connections other than those to the rendezvous stores
+    and over loopback (the wrapper's ring between two ranks of one host)."""
     store_ports = {int(placement["master_port"]), RDZV_PORT}
     return list(
         remote
         for _, local_port, remote, remote_port in placement["tcp"]
-        if not store_ports & {local_port, remote_port}
+        if not store_ports & {local_port, remote_port} and remote != "127.0.0.1"
     )
 
 

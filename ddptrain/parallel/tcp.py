@@ -193,7 +193,7 @@ def _connect_ring(group: Any, connect_timeout_s: float) -> _Ring | None:
     error, mine = "", None
     try:
         listener = socket.create_server(("0.0.0.0", 0), backlog=world_size)
-        mine = (advertised_host(), listener.getsockname()[1])
+        mine = (advertised_host(), listener.getsockname()[1], _network_stack())
     except OSError as e:
         error = f"rank {rank} cannot listen: {e}"
     # Every rank reaches every collective here, whatever failed: an error only skips work.
@@ -202,14 +202,18 @@ def _connect_ring(group: Any, connect_timeout_s: float) -> _Ring | None:
     try:
         if None not in addresses:
             deadline = time.monotonic() + connect_timeout_s
-            peer = addresses[(rank + 1) % world_size]
-            right = socket.create_connection(peer, connect_timeout_s)
+            host, port, stack = addresses[(rank + 1) % world_size]
+            # A peer in this very network stack is reached over loopback, whatever the
+            # host's name resolves to.
+            if stack is not None and stack == mine[2]:
+                host = "127.0.0.1"
+            right = socket.create_connection((host, port), connect_timeout_s)
             right.sendall(_HELLO.pack(token, rank))
             left = _accept(listener, token, (rank - 1) % world_size, deadline)
             for s in (right, left):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError as e:
-        error = f"rank {rank} -> {addresses[(rank + 1) % world_size]}: {e}"
+        error = f"rank {rank} -> {addresses[(rank + 1) % world_size][:2]}: {e}"
     finally:
         if listener is not None:
             listener.close()
@@ -285,6 +289,17 @@ def advertised_host() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def _network_stack() -> tuple[str, str] | None:
+    """Which kernel and network namespace this process is in: equal for two processes iff
+    each can reach the other's listening port on 127.0.0.1 (None where it cannot be read)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return boot, os.readlink("/proc/self/ns/net")
+    except OSError:
+        return None
 
 
 def _interface_address(name: str) -> str | None:

@@ -7,6 +7,7 @@ One spawned world per world size runs every multi-process case of this module
 from __future__ import annotations
 
 import copy
+import functools
 import time
 
 import pytest
@@ -119,26 +120,44 @@ def test_default_without_shared_memory_is_tcp_and_trains_like_official_ddp(world
         assert r["default"] == "SocketHook"
 
 
-def _case_unreachable(info) -> dict:
+def _connect_advertising(info, address: str, hide_stack: bool) -> dict:
+    """Rank 1 advertises `address`; hide_stack: as if it were on another host."""
+    real_stack = tcp._network_stack
     if info.rank == 1:
-        tcp.os.environ[tcp.HOST_ENV] = UNREACHABLE
+        tcp.os.environ[tcp.HOST_ENV] = address
+        if hide_stack:
+            tcp._network_stack = lambda: None
     try:
         started = time.monotonic()
         hook = SocketHook.connect(connect_timeout_s=1.0)
         waited = time.monotonic() - started
     finally:
         tcp.os.environ.pop(tcp.HOST_ENV, None)
-    ones = torch.ones(3)
-    dist.all_reduce(ones)  # the process group is intact afterwards
-    return {"hook": hook, "waited": waited, "sum": ones.tolist()}
+        tcp._network_stack = real_stack
+    connected = hook is not None
+    if connected:
+        ones = torch.ones(5)
+        hook(ones, None).wait()
+        hook.close()
+    else:
+        ones = torch.ones(5)
+        dist.all_reduce(ones)  # the process group is intact afterwards
+    return {"connected": connected, "waited": waited, "sum": ones.tolist()}
 
 
 def test_ranks_that_cannot_connect_all_fall_back_without_hanging(world):
     """One unreachable rank: every rank's connect() gives None within the timeout, group intact."""
     for r in worlds.outcome(world(2), "unreachable"):
-        assert r["hook"] is None
+        assert not r["connected"]
         assert r["waited"] < 30
-        assert r["sum"] == [2.0] * 3
+        assert r["sum"] == [2.0] * 5
+
+
+def test_ranks_in_one_network_stack_connect_over_loopback(world):
+    """A rank in this very kernel and namespace is reached on 127.0.0.1, whatever it advertises."""
+    for r in worlds.outcome(world(2), "same_stack"):
+        assert r["connected"]
+        assert r["sum"] == [2.0] * 5
 
 
 def _case_cannot_listen(info) -> list:
@@ -240,7 +259,8 @@ CASES = {
     "vs_backend": _case_vs_backend,
     "bf16": _case_bf16_inside_cast_hook,
     "default_across_hosts": _case_default_across_hosts,
-    "unreachable": _case_unreachable,
+    "unreachable": functools.partial(_connect_advertising, address=UNREACHABLE, hide_stack=True),
+    "same_stack": functools.partial(_connect_advertising, address=UNREACHABLE, hide_stack=False),
     "cannot_listen": _case_cannot_listen,
     "peer_closed": _case_peer_closed,
     "stalled_peer": _case_stalled_peer,
