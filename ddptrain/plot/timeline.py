@@ -28,6 +28,8 @@ STEP_KINDS = {
     "ddptrain.wait bucket": "exposed comm (wait)",
 }
 COMM_KIND = "reduction in flight"
+# Transports that mark their reductions where the profiler sees them (shm.py, tcp.py).
+REDUCTION_MARKS = ("ddptrain.shm_reduce", "ddptrain.tcp_reduce")
 COLORS = {
     "data": "#9e9e9e",
     "forward": "#4c9be8",
@@ -84,7 +86,7 @@ def trace_spans(trace: dict[str, Any], rank: int) -> list[Span]:
         kind = STEP_KINDS.get(name.rsplit(" ", 1)[0] if name[-1].isdigit() else name)
         if kind is not None:
             spans.append(Span(rank, "step", kind, start, dur))
-        if name.startswith("ddptrain.shm_reduce"):
+        if name.startswith(REDUCTION_MARKS):
             reductions = True
             spans.append(Span(rank, "comm", COMM_KIND, start, dur))
         elif name.startswith(("ddptrain.launch bucket", "ddptrain.wait bucket")):

@@ -44,6 +44,18 @@ def test_marks_become_step_and_comm_spans():
     assert forward.start_s == pytest.approx(1.0 + 100e-6) and forward.dur_s == pytest.approx(50e-6)
 
 
+def test_tcp_reductions_land_on_the_comm_row():
+    """The TCP transport's marked reductions are drawn as communication, like shared memory's."""
+    trace = _trace(0, [
+        _event("ddptrain.launch bucket 0", 100, 5),
+        _event("ddptrain.tcp_reduce 4096", 120, 70, tid=2),
+        _event("ddptrain.wait bucket 0", 200, 10),
+    ])  # fmt: skip
+    comm = [s for s in timeline.trace_spans(trace, 0) if s.row == "comm"]
+    assert [round((s.start_s - 1.0) * 1e6) for s in comm] == [120]
+    assert [round(s.dur_s * 1e6) for s in comm] == [70]
+
+
 def test_backend_all_reduce_spans_run_from_launch_to_wait_end():
     """Without shm reductions, a bucket is in flight from its launch to the end of its wait."""
     trace = _trace(0, [
