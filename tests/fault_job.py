@@ -31,6 +31,7 @@ def main() -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=30.0)
     p.add_argument("--nonfinite", default="stop")
     p.add_argument("--check-replicas-every", type=int, default=None)
+    p.add_argument("--comm-hook", default="default")
     args = p.parse_args()
     fault = None
     if args.fault:
@@ -48,6 +49,7 @@ def main() -> int:
         heartbeat_timeout_s=args.heartbeat_timeout,
         nonfinite=args.nonfinite,
         check_replicas_every=args.check_replicas_every,
+        comm_hook=args.comm_hook,
     )
     trainer = ToyTrainer(config, dropout=0.3, fault=fault)
     summary = trainer.fit()

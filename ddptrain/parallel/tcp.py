@@ -174,7 +174,10 @@ class _Ring:
     @staticmethod
     def _lost(peer: int, error: OSError | None) -> RuntimeError:
         why = f": {error}" if error is not None else ""
-        return RuntimeError(f"rank {peer} closed its TCP connection mid-reduction (exited?){why}")
+        return RuntimeError(
+            f"rank {peer} closed its TCP connection mid-reduction (it exited, or stopped on an "
+            f"error of its own){why}"
+        )
 
     def close(self) -> None:
         for s in (self._right, self._left):

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 JOB = Path(__file__).resolve().parents[1] / "fault_job.py"
@@ -76,10 +77,13 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[flo
     return [exit_times[i] for i in range(len(procs))], [p.stdout.read() for p in procs]
 
 
-def test_survivors_exit_fast_naming_a_killed_rank(tmp_path):
-    """SIGKILL of rank 2 mid-epoch: ranks 0 and 1 exit non-zero long before a timeout, naming 2."""
+@pytest.mark.parametrize("hook", ["default", "tcp"])
+def test_survivors_exit_fast_naming_a_killed_rank(tmp_path, hook):
+    """SIGKILL of rank 2 mid-epoch: ranks 0 and 1 exit non-zero long before a timeout, naming 2
+    (shared memory, the default on one host, and the TCP ring, the default across hosts)."""
     stamp = tmp_path / "killed_at"
-    procs = _launch_ranks(3, ["--fault", "kill:2:5", "--stamp", str(stamp)], tmp_path)
+    args = ["--fault", "kill:2:5", "--stamp", str(stamp), "--comm-hook", hook]
+    procs = _launch_ranks(3, args, tmp_path)
     exit_times, outputs = _wait_all(procs, timeout_s=240)
     assert procs[2].returncode == -signal.SIGKILL
     killed_at = float(stamp.read_text())
