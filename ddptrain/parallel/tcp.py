@@ -167,9 +167,10 @@ class _Ring:
                     f"no bytes moved to rank {self._next} or from rank {self._previous} for "
                     f"{timeout_s:.0f} s (a rank hangs, or runs a different model or step)"
                 )
-            readers = [self._left] if got < len(into) else []
-            writers = [self._right] if sent < len(out) else []
-            select.select(readers, writers, [], 1.0)
+            _wait_ready(
+                self._left if got < len(into) else None,
+                self._right if sent < len(out) else None,
+            )
 
     @staticmethod
     def _lost(peer: int, error: OSError | None) -> RuntimeError:
@@ -182,6 +183,21 @@ class _Ring:
     def close(self) -> None:
         for s in (self._right, self._left):
             s.close()
+
+
+def _wait_ready(reader: socket.socket | None, writer: socket.socket | None) -> None:
+    """Sleep until `reader` can receive or `writer` can send, for at most a second."""
+    if not hasattr(select, "poll"):  # Windows
+        select.select([reader] if reader else [], [writer] if writer else [], [], 1.0)
+        return
+    # poll, not select: select fails on descriptors above 1023, which a process with many
+    # open files (loader workers, logs) reaches.
+    poller = select.poll()
+    if reader is not None:
+        poller.register(reader, select.POLLIN)
+    if writer is not None:
+        poller.register(writer, select.POLLOUT)
+    poller.poll(1000)
 
 
 def _connect_ring(group: Any, connect_timeout_s: float) -> _Ring | None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import resource
 import time
 
 import pytest
@@ -31,6 +33,8 @@ pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
 NUMELS = [0, 1, 2, 5, 1001, 65_539, 8 * 2**20]
 # World size >= 3: the ring adds in another order than gloo (see test_comm.py).
 RTOL, ATOL = 1.3e-6, 1e-5
+# Files a rank opens first, so that its sockets get descriptors above select()'s 1023.
+HIGH_FD = 1100
 # An address no rank listens at (TEST-NET-1, RFC 5737): connecting fails or times out.
 UNREACHABLE = "192.0.2.1"
 
@@ -67,6 +71,38 @@ def test_sums_equal_the_backend_and_agree_across_ranks(world, world_size):
         for numel, exact, close, same_as_rank0 in per_numel:
             assert same_as_rank0, numel
             assert exact if world_size == 2 else close, numel
+
+
+def _case_high_descriptors(info) -> tuple[bool, int] | None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = HIGH_FD + 64
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        dist.barrier()
+        return None
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(HIGH_FD)]
+    try:
+        hook = SocketHook()
+        x = torch.randn(4 * 2**20, generator=torch.Generator().manual_seed(info.rank))
+        bucket = x.clone()
+        hook(bucket, None).wait()
+        lowest = min(hook._ring._left.fileno(), hook._ring._right.fileno())
+        hook.close()
+        return torch.equal(bucket, _all_reduce(x)), lowest
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_sockets_numbered_above_1023_still_work(world):
+    """A process with over a thousand open files (loader workers, logs) still reduces: the
+    sockets' descriptors exceed select()'s limit, so the transport must not use select()."""
+    results = worlds.outcome(world(2), "high_fds")
+    if results[0] is None:
+        pytest.skip(f"the hard limit on open files is below {HIGH_FD + 64}")
+    for equal, lowest in results:
+        assert equal and lowest > 1023
 
 
 def _case_bf16_inside_cast_hook(info) -> tuple[bool, bool]:
@@ -258,6 +294,7 @@ def test_advertised_address_follows_the_user_then_gloo_then_the_route(monkeypatc
 CASES = {
     "vs_backend": _case_vs_backend,
     "bf16": _case_bf16_inside_cast_hook,
+    "high_fds": _case_high_descriptors,
     "default_across_hosts": _case_default_across_hosts,
     "unreachable": functools.partial(_connect_advertising, address=UNREACHABLE, hide_stack=True),
     "same_stack": functools.partial(_connect_advertising, address=UNREACHABLE, hide_stack=False),
