@@ -251,6 +251,11 @@ def close_at_shutdown(method: Callable[[], None]) -> None:
     _closers.append(weakref.WeakMethod(method))
 
 
+def global_rank(group: Any, group_rank: int) -> int:
+    """The default group's rank of `group`'s rank `group_rank` (None: the default group)."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
 def release_group(group: Any) -> None:
     """Destroy a group made with new_group(), unless shutdown() destroyed it already."""
     if group is None or not dist.is_initialized():

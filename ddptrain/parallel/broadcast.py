@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddptrain.dist import global_rank
+
 # A big tensor is broadcast in place (a copy would cost what the saved call costs); smaller
 # ones are packed, per owner and dtype, into flat buckets of up to the cap.
 _IN_PLACE_MIN_BYTES = 1 << 20
@@ -47,7 +49,7 @@ def plan_broadcasts(by_owner: list[list[torch.Tensor]]) -> list[tuple[int, list[
 def broadcast_calls(calls: list[tuple[int, list[torch.Tensor]]], rank: int, group: Any) -> None:
     """Run the broadcasts in order; packed tensors travel as one flat tensor per call."""
     for owner, tensors in calls:
-        src = dist.get_global_rank(group, owner) if group is not None else owner
+        src = global_rank(group, owner)
         if len(tensors) == 1:
             dist.broadcast(tensors[0], src=src, group=group)
             continue

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.dist import close_at_shutdown, release_group
+from ddptrain.dist import close_at_shutdown, global_rank, release_group
 from ddptrain.parallel.ring import ring_reduce, scratch_for
+from ddptrain.parallel.runner import Done
 from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 from ddptrain.parallel.tcp import HOST_ENV, SocketHook
 
@@ -63,8 +64,8 @@ def ring_all_reduce(
     if not tensor.is_contiguous():
         raise ValueError("ring_all_reduce needs a contiguous tensor (it reduces views in place)")
     rank = dist.get_rank(group)
-    right = _global_rank(group, (rank + 1) % world_size)
-    left = _global_rank(group, (rank - 1) % world_size)
+    right = global_rank(group, (rank + 1) % world_size)
+    left = global_rank(group, (rank - 1) % world_size)
     flat = tensor.view(-1)
     scratch = scratch_for(flat, world_size, scratch)
     ring_reduce(flat, rank, world_size, scratch, lambda s, r: _exchange(s, r, right, left, group))
@@ -82,25 +83,14 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, gro
         work.wait()
 
 
-def _global_rank(group: Any, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
 def allreduce_hook(bucket: torch.Tensor, group: Any) -> Any:
     """The backend's in-place asynchronous SUM all_reduce (the bucket is pre-scaled)."""
     return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
-class _Done:
-    """A Waitable for work that already finished."""
-
-    def wait(self) -> None:
-        return None
-
-
-def local_hook(bucket: torch.Tensor, group: Any) -> _Done:
+def local_hook(bucket: torch.Tensor, group: Any) -> Done:
     """A world of one: the bucket already holds the sum, so nothing is sent (the default there)."""
-    return _Done()
+    return Done()
 
 
 class _FutureWork:
@@ -131,9 +121,9 @@ class RingHook:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-ring")
         close_at_shutdown(self.close)
 
-    def __call__(self, bucket: torch.Tensor, group: Any) -> _FutureWork | _Done:
+    def __call__(self, bucket: torch.Tensor, group: Any) -> _FutureWork | Done:
         if self.world_size == 1:
-            return _Done()
+            return Done()
         return _FutureWork(self._executor.submit(self._reduce, bucket))
 
     def _reduce(self, bucket: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ buffer is broadcast before the forward, as official DDP does.
 
 Defaults chosen by measurement (docs/benchmarks.md): when every rank is a CPU process on one
 host under gloo, buckets live in shared memory and are summed there (shm.SharedMemoryHook)
-instead of crossing loopback TCP; a process alone sends nothing (comm.local_hook); elsewhere
+instead of crossing loopback TCP; CPU ranks on several hosts sum over TCP connections of the
+wrapper's own (tcp.SocketHook); a process alone sends nothing (comm.local_hook); elsewhere
 the backend's all_reduce is used. The first
 synchronized backward records the order gradients become ready, and buckets are rebuilt once
 in rank 0's order. Pass `comm_hook=allreduce_hook` to force the backend's all_reduce.
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain import profiling
+from ddptrain.dist import global_rank
 from ddptrain.parallel.buckets import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_CAP_MB,
@@ -380,7 +382,7 @@ class DistributedDataParallel(nn.Module):
         proposal = list(observed) + [i for i in reversed(range(n)) if i not in observed]
         order = torch.tensor(proposal, dtype=torch.int64, device=self._buckets[0].device)
         if self.world_size > 1:
-            src = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
+            src = global_rank(self.process_group, 0)
             dist.broadcast(order, src=src, group=self.process_group)
         order_list = order.tolist()
         if order_list == self._bucket_order:

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ddptrain.dist import global_rank
+
 # Broadcasts at construction and of buffers are coalesced in pieces of this size, as the
 # official wrapper does, so a huge model does not need a second full copy in one flat tensor.
 _BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
@@ -95,7 +97,7 @@ def start_broadcast_coalesced(
     if dist.get_world_size(group) == 1:
         return _CoalescedBroadcast([], False)
     is_src = dist.get_rank(group) == src
-    global_src = dist.get_global_rank(group, src) if group is not None else src
+    global_src = global_rank(group, src)
     launched = []
     for chunk in chunks:
         flat = _flatten_dense_tensors(chunk)

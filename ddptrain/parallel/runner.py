@@ -20,6 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 
+class Done:
+    """A Waitable for work that already finished (what a hook returns with nothing to send)."""
+
+    def wait(self) -> None:
+        return None
+
+
 class Job:
     """One submitted function: `wait()` returns its result or re-raises its error."""
 

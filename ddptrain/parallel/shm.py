@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ddptrain import profiling
-from ddptrain.dist import close_at_shutdown, release_group
-from ddptrain.parallel.runner import Job, OrderedRunner
+from ddptrain.dist import close_at_shutdown, global_rank, release_group
+from ddptrain.parallel.runner import Done, Job, OrderedRunner
 
 SHM_DIR = "/dev/shm"
 # Room left free in SHM_DIR: a full tmpfs kills a process with SIGBUS, not an exception.
@@ -77,7 +77,7 @@ class SharedMemoryHook:
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         box = [uuid.uuid4().hex if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=_global_rank(self.group, 0), group=self.group)
+        dist.broadcast_object_list(box, src=global_rank(self.group, 0), group=self.group)
         self._prefix = os.path.join(SHM_DIR, f"ddptrain-{box[0]}")
         self._allocations = 0
         self._shared: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
@@ -100,7 +100,7 @@ class SharedMemoryHook:
         world_size = dist.get_world_size(process_group)
         token = uuid.uuid4().hex if world_size > 1 and os.path.isdir(SHM_DIR) else None
         box = [token]
-        dist.broadcast_object_list(box, src=_global_rank(process_group, 0), group=process_group)
+        dist.broadcast_object_list(box, src=global_rank(process_group, 0), group=process_group)
         probe = os.path.join(SHM_DIR, f"ddptrain-probe-{box[0]}")
         rank = dist.get_rank(process_group)
         if box[0] is not None and rank == 0:
@@ -138,7 +138,7 @@ class SharedMemoryHook:
             if stat.f_bavail * stat.f_frsize >= nbytes + _SHM_HEADROOM_BYTES:
                 room[0] = 1
                 torch.from_file(path, shared=True, size=numel, dtype=dtype)
-        dist.broadcast(room, src=_global_rank(self.group, 0), group=self.group)
+        dist.broadcast(room, src=global_rank(self.group, 0), group=self.group)
         if not room.item():
             return None
         flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
@@ -158,7 +158,7 @@ class SharedMemoryHook:
 
     def _launch(self, bucket: torch.Tensor, group: Any, on_wait: bool) -> Any:
         if self.world_size == 1:
-            return _Done()
+            return Done()
         self._check_open()
         flat = self._shared.get(bucket.data_ptr())
         if flat is None or flat.numel() != self.world_size * bucket.numel():
@@ -329,13 +329,6 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-class _Done:
-    """A Waitable for work that already finished."""
-
-    def wait(self) -> None:
-        return None
-
-
 def shared_memory_usable(process_group: Any = None, on_cpu: bool = True) -> bool:
     """Collective: whether SharedMemoryHook can serve this group (gloo, CPU, one host)."""
     # The hook builds a group of its own, which every rank of the default group must join.
@@ -344,10 +337,6 @@ def shared_memory_usable(process_group: Any = None, on_cpu: bool = True) -> bool
     )
     gloo = dist.get_backend(process_group) == "gloo"
     return gloo and on_cpu and whole_world and SharedMemoryHook.available(process_group)
-
-
-def _global_rank(group: Any, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 def _read(path: str) -> str | None:

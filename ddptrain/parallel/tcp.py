@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from ddptrain import profiling
-from ddptrain.dist import close_at_shutdown
+from ddptrain.dist import close_at_shutdown, global_rank
 from ddptrain.parallel.ring import ring_reduce, scratch_for
-from ddptrain.parallel.runner import Job, OrderedRunner
+from ddptrain.parallel.runner import Done, Job, OrderedRunner
 
 # The address peers connect to, when set (else see advertised_host).
 HOST_ENV = "DDPTRAIN_SOCKET_HOST"
@@ -89,14 +89,14 @@ class SocketHook:
         runs it, with no hand-off to the worker thread and back."""
         return self._launch(bucket, group, on_wait=True)
 
-    def _launch(self, bucket: torch.Tensor, group: Any, on_wait: bool) -> Job | _Done | Any:
+    def _launch(self, bucket: torch.Tensor, group: Any, on_wait: bool) -> Job | Done | Any:
         if self._runner is None:
             raise RuntimeError(
                 "this SocketHook was closed (ddptrain.shutdown() closes it); build the model's "
                 "wrapper again after init_distributed()"
             )
         if self.world_size == 1:
-            return _Done()
+            return Done()
         if bucket.device.type != "cpu" or not bucket.is_contiguous():
             return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
         return self._runner.submit(self._reduce, bucket, wake=not on_wait)
@@ -206,7 +206,7 @@ def _connect_ring(group: Any, connect_timeout_s: float) -> _Ring | None:
     if world_size == 1:
         return None
     box = [uuid.uuid4().hex if rank == 0 else None]
-    dist.broadcast_object_list(box, src=_global_rank(group, 0), group=group)
+    dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
     token = box[0].encode()
     listener = right = left = None
     error, mine = "", None
@@ -248,8 +248,8 @@ def _connect_ring(group: Any, connect_timeout_s: float) -> _Ring | None:
             f"{HOST_ENV} to an address the other ranks reach this one at"
         )
     neighbours = (
-        _global_rank(group, (rank + 1) % world_size),
-        _global_rank(group, (rank - 1) % world_size),
+        global_rank(group, (rank + 1) % world_size),
+        global_rank(group, (rank - 1) % world_size),
     )
     return _Ring(right, left, *neighbours)
 
@@ -336,14 +336,3 @@ def _interface_address(name: str) -> str | None:
 
 def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().view(-1).view(torch.uint8).numpy())
-
-
-def _global_rank(group: Any, group_rank: int) -> int:
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
-class _Done:
-    """A Waitable for work that already finished."""
-
-    def wait(self) -> None:
-        return None
