@@ -9,15 +9,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import os
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from sums import ATOL, NUMELS, RTOL, backend_sum, needs_shm
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import toy_models
@@ -25,19 +22,13 @@ import worlds
 from ddptrain.parallel import shm
 from ddptrain.parallel.comm import CastHook, RingHook, allreduce_hook, make_hook, ring_all_reduce
 from ddptrain.parallel.ddp import DistributedDataParallel
-from ddptrain.parallel.shm import _COUNTER_STRIDE, SHM_DIR, SharedMemoryHook, _SharedBarrier
+from ddptrain.parallel.shm import SharedMemoryHook
 
 # A spawned world runs many cases, so its first test waits for all of them: generous bounds
 # (a loaded 2-core machine runs it several times slower) that a hang still reaches.
 WORLD_TIMEOUT_S = 540
 pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
 
-# Sizes around the chunking edge cases: empty, fewer elements than ranks, not divisible.
-NUMELS = [0, 1, 2, 3, 5, 7, 64, 1001, 65_539]
-# Stated tolerance vs dist.all_reduce for float32 at world size >= 3, where the ring adds in a
-# different order than gloo: torch.testing's float32 defaults (a few ulp of the sum; one sum of
-# <= 4 standard-normal values, so well-conditioned on any CPU).
-RTOL, ATOL = 1.3e-6, 1e-5
 # 8 SGD+momentum steps of the smooth tanh MLP (no ReLU/max-pool, whose kinks turn last-bit
 # differences into 1e-4 on some CPUs), ring vs gloo all_reduce at ws 3: a few ulps per step,
 # carried by momentum (gain <= 10) and lr 0.05; measured 1.5e-8 on a 2-core AMD EPYC.
@@ -48,19 +39,14 @@ SMOOTH_ATOL = 1e-5
 BF16_SMOOTH_ATOL = 2e-3
 # Unit roundoff of the wire dtype: each cast and each reduction step rounds once.
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
-# Machines without a /dev/shm tmpfs (some containers, macOS) fall back to all_reduce by design.
-needs_shm = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason=f"no {SHM_DIR} on this machine")
 
 CASES_BY_WORLD = {
-    1: ["default_hooks"],
     2: [
         "ring_vs_backend",
         "cast_hooks",
         "smooth_hooks",
         "compressed",
         "ring_hook_error",
-        "shm_vs_backend",
-        "default_hooks",
         "many_buckets_shm",
         "many_buckets_allreduce",
         "many_buckets_ring",
@@ -68,8 +54,8 @@ CASES_BY_WORLD = {
         "narrowed_allreduce-bf16",
         "narrowed_allreduce-fp16",
     ],
-    3: ["ring_vs_backend", "ring_on_subgroup", "cast_hooks", "smooth_hooks", "shm_vs_backend"],
-    4: ["ring_vs_backend", "shm_vs_backend"],
+    3: ["ring_vs_backend", "ring_on_subgroup", "cast_hooks", "smooth_hooks"],
+    4: ["ring_vs_backend"],
 }
 
 
@@ -96,11 +82,11 @@ def _case_ring_vs_backend(info) -> dict:
         got = ring_all_reduce(x.clone())
         out["float"].append((numel, got, expected))
         ints = torch.randint(-1000, 1000, (numel,), generator=g).float()
-        out["integer"].append((numel, ring_all_reduce(ints.clone()), _all_reduce(ints)))
+        out["integer"].append((numel, ring_all_reduce(ints.clone()), backend_sum(ints)))
         wide = torch.randn(numel, generator=g, dtype=torch.float64)
-        out["float64"].append((numel, ring_all_reduce(wide.clone()), _all_reduce(wide)))
+        out["float64"].append((numel, ring_all_reduce(wide.clone()), backend_sum(wide)))
     shaped = torch.arange(24.0).reshape(2, 3, 4) + info.rank
-    out["shaped"] = (ring_all_reduce(shaped.clone()), _all_reduce(shaped))
+    out["shaped"] = (ring_all_reduce(shaped.clone()), backend_sum(shaped))
     try:
         ring_all_reduce(torch.zeros(4, 4).t())
         out["non_contiguous_error"] = None
@@ -109,14 +95,8 @@ def _case_ring_vs_backend(info) -> dict:
     return out
 
 
-def _all_reduce(t: torch.Tensor) -> torch.Tensor:
-    t = t.clone()
-    dist.all_reduce(t)
-    return t
-
-
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ring_all_reduce_equals_backend_all_reduce(world, world_size):
+def test_ring_all_reduce_equals_backendbackend_sum(world, world_size):
     """Ring SUM equals dist.all_reduce: bitwise at ws 2 and on integers, else float32 rtol."""
     results = worlds.outcome(world(world_size), "ring_vs_backend")
     for rank, r in enumerate(results):
@@ -163,8 +143,8 @@ def _case_cast_hooks(info) -> dict:
         bucket = torch.cat([values, flags])
         hook = CastHook(dtype)
         hook(bucket, None).wait()
-        exact = _all_reduce(values.double())
-        magnitude = _all_reduce(values.double().abs())
+        exact = backend_sum(values.double())
+        magnitude = backend_sum(values.double().abs())
         out[dtype] = {
             "error": (bucket[:-4].double() - exact).abs(),
             "bound": magnitude * UNIT_ROUNDOFF[dtype] * (ws + 1),
@@ -282,76 +262,6 @@ def test_ring_hook_reraises_worker_errors(world):
     assert all("contiguous" in m for m in worlds.outcome(world(2), "ring_hook_error"))
 
 
-def _case_shm_vs_backend(info) -> dict:
-    hook = SharedMemoryHook(min_bytes=0)  # share even the tiny test buckets
-    out: dict = {"float": [], "repeat": [], "prefix": hook._prefix}
-    for numel in NUMELS:
-        g = torch.Generator().manual_seed(numel * 7 + info.rank)
-        x = torch.randn(numel, generator=g)
-        bucket = hook.allocate(numel, torch.float32, torch.device("cpu"))
-        bucket.copy_(x)
-        hook(bucket, None).wait()
-        out["float"].append((numel, bucket.clone(), _all_reduce(x)))
-        # A second reduction on the same shared bucket: rows are overwritten, never mixed.
-        bucket.fill_(info.rank + 1.0)
-        hook(bucket, None).wait()
-        out["repeat"].append(bucket.clone())
-    plain = torch.full((3,), float(info.rank))
-    hook(plain, None).wait()  # not allocated by the hook: backend all_reduce
-    out["plain"] = plain.tolist()
-    default = SharedMemoryHook(min_bytes=64 * 1024)
-    small = default.allocate(1000, torch.float32, torch.device("cpu"))
-    large = default.allocate(64 * 1024 // 4, torch.float32, torch.device("cpu"))
-    small.fill_(1.0)
-    large.fill_(1.0)
-    default(small, None).wait()
-    default(large, None).wait()
-    out["default_shared"] = [len(default._shared), small.sum().item(), large[:3].tolist()]
-    out["available"] = SharedMemoryHook.available()
-    hook.close()
-    return out
-
-
-@needs_shm
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_shared_memory_all_reduce_equals_backend(world, world_size):
-    """Shared-memory SUM equals dist.all_reduce (bitwise at ws 2), repeats, leaves no files."""
-    results = worlds.outcome(world(world_size), "shm_vs_backend")
-    total = sum(r + 1.0 for r in range(world_size))
-    for rank, r in enumerate(results):
-        assert r["available"]
-        for numel, got, expected in r["float"]:
-            assert got.shape == (numel,)
-            if world_size == 2:
-                assert torch.equal(got, expected), (rank, numel)
-            else:
-                torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
-        for got in r["repeat"]:
-            assert torch.equal(got, torch.full_like(got, total))
-        assert r["plain"] == [sum(range(world_size))] * 3
-        # Under min_bytes a bucket stays private (backend all_reduce); both sum right.
-        assert r["default_shared"] == [1, 1000.0 * world_size, [float(world_size)] * 3]
-    leftovers = [f for f in os.listdir(SHM_DIR) if f.startswith(os.path.basename(r["prefix"]))]
-    assert leftovers == []
-
-
-def _case_default_hooks(info) -> tuple[str, str]:
-    default = DistributedDataParallel(torch.nn.Linear(2, 2))
-    forced = DistributedDataParallel(torch.nn.Linear(2, 2), comm_hook=allreduce_hook)
-    return _hook_name(default.comm_hook), _hook_name(forced.comm_hook)
-
-
-def _hook_name(hook) -> str:
-    return getattr(hook, "__name__", type(hook).__name__)
-
-
-@needs_shm
-def test_default_hook_is_shared_memory_on_one_host_and_nothing_alone(world):
-    """Ranks on one CPU host get shared-memory buckets by default; one process sends nothing."""
-    assert worlds.outcome(world(2), "default_hooks") == [("SharedMemoryHook", "allreduce_hook")] * 2
-    assert worlds.outcome(world(1), "default_hooks") == [("local_hook", "allreduce_hook")]
-
-
 def _many_buckets(info, hook_name: str) -> dict:
     torch.manual_seed(11)
     base = toy_models.make("lenet_nodrop")
@@ -413,25 +323,6 @@ def test_narrow_buckets_hold_each_ranks_scaled_gradient_rounded_once(world, hook
     assert worlds.outcome(world(2), f"narrowed_{hook_name}") == [True, True]
 
 
-def test_shared_barrier_names_a_peer_that_died_and_times_out_on_a_silent_one():
-    """A waiting rank raises naming a dead peer before its timeout; a live silent one times out."""
-    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
-    counters = torch.zeros(2 * _COUNTER_STRIDE, dtype=torch.int64)
-    counters[1], counters[_COUNTER_STRIDE + 1] = os.getpid(), peer.pid
-    # Only the death check can end the wait before timeout_s; half of it is slack for a
-    # loaded machine (the peer exits after 0.5 s, liveness is polled every 0.2 s).
-    barrier = _SharedBarrier(counters, rank=0, world_size=2, timeout_s=120)
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match=f"rank 1 \\(pid {peer.pid}\\) exited"):
-        barrier.wait()
-    assert time.monotonic() - start < 60
-    peer.wait()
-    counters[_COUNTER_STRIDE + 1] = os.getpid()  # a peer that lives but never arrives
-    silent = _SharedBarrier(counters, rank=0, world_size=2, timeout_s=0.3)
-    with pytest.raises(RuntimeError, match="did not reach"):
-        silent.wait()
-
-
 CASES = {
     "ring_vs_backend": _case_ring_vs_backend,
     "ring_on_subgroup": _case_ring_on_subgroup,
@@ -439,8 +330,6 @@ CASES = {
     "smooth_hooks": _case_smooth_hooks,
     "compressed": _case_compressed_hooks,
     "ring_hook_error": _case_ring_hook_error,
-    "shm_vs_backend": _case_shm_vs_backend,
-    "default_hooks": _case_default_hooks,
     **{
         f"many_buckets_{h}": functools.partial(_many_buckets, hook_name=h)
         for h in ("shm", "allreduce", "ring", "tcp")

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from sums import needs_shm
 
 import worlds
 from ddptrain.parallel import shm
@@ -18,7 +19,6 @@ from ddptrain.parallel.shm import SHM_DIR, SharedMemoryHook
 
 WORLD_SIZE = 3
 CALLS = 5
-needs_shm = pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason=f"no {SHM_DIR} on this machine")
 
 
 def _tensors(rank: int, call: int) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from sums import ATOL, NUMELS, RTOL, backend_sum
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import toy_models
@@ -28,31 +29,23 @@ from ddptrain.parallel.tcp import SocketHook
 WORLD_TIMEOUT_S = 300
 pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
 
-# Empty, fewer elements than ranks, not divisible, and 32 MiB: far more than the socket
-# buffers hold, so both directions must flow at once or the ring deadlocks.
-NUMELS = [0, 1, 2, 5, 1001, 65_539, 8 * 2**20]
-# World size >= 3: the ring adds in another order than gloo (see test_comm.py).
-RTOL, ATOL = 1.3e-6, 1e-5
+# The edge cases, and 32 MiB: far more than the socket buffers hold, so both directions must
+# flow at once or the ring deadlocks.
+SIZES = [*NUMELS, 8 * 2**20]
 # Files a rank opens first, so that its sockets get descriptors above select()'s 1023.
 HIGH_FD = 1100
 # An address no rank listens at (TEST-NET-1, RFC 5737): connecting fails or times out.
 UNREACHABLE = "192.0.2.1"
 
 
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    y = x.clone()
-    dist.all_reduce(y)
-    return y
-
-
 def _case_vs_backend(info) -> list:
     hook = SocketHook()
     out = []
-    for numel in NUMELS:
+    for numel in SIZES:
         x = torch.randn(numel, generator=torch.Generator().manual_seed(numel + info.rank))
         bucket = x.clone()
         hook(bucket, None).wait()
-        expected = _all_reduce(x)
+        expected = backend_sum(x)
         # Every rank must end with the same bits: compare with rank 0's result.
         first = bucket.clone()
         dist.broadcast(first, src=0)
@@ -67,7 +60,7 @@ def _case_vs_backend(info) -> list:
 def test_sums_equal_the_backend_and_agree_across_ranks(world, world_size):
     """Ring sums over sockets match gloo's all_reduce (bitwise at ws 2) on every rank, any size."""
     for per_numel in worlds.outcome(world(world_size), "vs_backend"):
-        assert [n for n, *_ in per_numel] == NUMELS
+        assert [n for n, *_ in per_numel] == SIZES
         for numel, exact, close, same_as_rank0 in per_numel:
             assert same_as_rank0, numel
             assert exact if world_size == 2 else close, numel
@@ -88,7 +81,7 @@ def _case_high_descriptors(info) -> tuple[bool, int] | None:
         hook(bucket, None).wait()
         lowest = min(hook._ring._left.fileno(), hook._ring._right.fileno())
         hook.close()
-        return torch.equal(bucket, _all_reduce(x)), lowest
+        return torch.equal(bucket, backend_sum(x)), lowest
     finally:
         for fd in filler:
             os.close(fd)
@@ -110,7 +103,7 @@ def _case_bf16_inside_cast_hook(info) -> tuple[bool, bool]:
     x = torch.randn(3000, generator=torch.Generator().manual_seed(info.rank))
     bucket = x.clone()
     hook(bucket, None).wait()
-    expected = _all_reduce(x.bfloat16()).float()
+    expected = backend_sum(x.bfloat16()).float()
     hook.inner.close()
     return torch.equal(bucket, expected), bucket.dtype == torch.float32
 
