@@ -55,6 +55,7 @@ from ddptrain.parallel.buckets import (
 from ddptrain.parallel.buffers import ModelBuffers
 from ddptrain.parallel.comm import allreduce_hook, default_transport, local_hook
 from ddptrain.parallel.layout import CAST_CHUNK, scale_into_narrower, view_like
+from ddptrain.parallel.linear_grads import LinearSlots
 from ddptrain.parallel.replicas import broadcast_coalesced, coalesce, verify_same_model
 from ddptrain.parallel.step_state import StepState
 
@@ -138,6 +139,10 @@ class DistributedDataParallel(nn.Module):
             for i, p in enumerate(self._params)
         ]
         self._sync = True
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
+        self._linear_slots = (
+            LinearSlots(self._claim_slot, self._params) if gradient_as_bucket_view else None
+        )
         self._scratch = torch.empty(0)
         self._step = StepState(len(self._params), self._bucket_lens, self.world_size)
         self._join: Any = None
@@ -223,6 +228,9 @@ class DistributedDataParallel(nn.Module):
                 self._step.sync_buffers = True
         if synchronized:
             self._step.armed = True
+            if self._linear_slots is not None and not torch.compiler.is_compiling():
+                with self._linear_slots:
+                    return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
 
     def _parameters_changed(self) -> bool:
@@ -264,6 +272,19 @@ class DistributedDataParallel(nn.Module):
 
         return hook
 
+    def _claim_slot(self, param: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+        """The bucket view autograd may compute `param`'s gradient into, and the factor to
+        scale it by there; once per backward, only where no one would see the difference
+        (see linear_grads.py)."""
+        index = self._index_of.get(id(param))
+        step = self._step
+        if index is None or not (self._sync and step.armed and self._grad_is_view[index]):
+            return None
+        if param.grad is not None or step.claimed[index] or _has_other_hooks(param):
+            return None
+        step.claimed[index] = True
+        return self._views[index], 1.0 / step.divisor
+
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
         step = self._step
         step.used[index] = True
@@ -300,7 +321,12 @@ class DistributedDataParallel(nn.Module):
     def _fill_view(self, index: int, grad: torch.Tensor | None) -> None:
         view = self._views[index]
         divisor = self._step.divisor
-        if grad is None:
+        if self._step.claimed[index]:
+            # Autograd wrote the scaled gradient into the view; a tensor other than the view
+            # means more gradients were summed with it (linear_grads.py).
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                view.add_(grad - view, alpha=1.0 / divisor)
+        elif grad is None:
             view.zero_()
         elif grad.data_ptr() == view.data_ptr():
             if divisor != 1:
@@ -395,6 +421,11 @@ class DistributedDataParallel(nn.Module):
 
 
 DDP = DistributedDataParallel
+
+
+def _has_other_hooks(param: torch.Tensor) -> bool:
+    """Hooks besides the wrapper's that would see a gradient before the wrapper scales it."""
+    return bool(param._backward_hooks) or len(param._post_accumulate_grad_hooks or ()) > 1
 
 
 def _total_len(dicts: list[dict]) -> int:

@@ -14,6 +14,7 @@ class StepState:
         "armed",
         "buffer_work",
         "callback_queued",
+        "claimed",
         "divisor",
         "next_bucket",
         "pending",
@@ -31,6 +32,8 @@ class StepState:
         self.next_bucket = 0
         self.pending = list(bucket_lens)
         self.ready = [False] * n_params
+        # Bucket slots handed to autograd as a gradient's output (linear_grads.py).
+        self.claimed = [False] * n_params
         # "Used here" since the last synchronized backward, no_sync passes included.
         self.used = [False] * n_params
         self.works: list[Any] = [None] * len(bucket_lens)

@@ -1,0 +1,259 @@
+"""Linear gradients computed straight into bucket slots (parallel/linear_grads.py): where they
+land, that no private gradient-sized tensor is made, and that every case that must not write
+into a slot (a penalty term, a hook, no_sync, autocast) still trains like
+official DDP.
+
+One spawned world per world size runs the multi-process cases (worlds.run_cases).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import worlds
+from ddptrain.parallel.ddp import DistributedDataParallel
+from ddptrain.parallel.linear_grads import LinearSlots
+
+WORLD_TIMEOUT_S = 300
+pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
+
+STEPS = 3
+# A penalty term outside the forward sums a second gradient into the slot's: the wrapper
+# corrects with slot + (sum - slot) / ws, one extra rounding per element against official
+# DDP's (a + b) / ws, so a few ulps of the gradient's magnitude; a missing correction is off
+# by half the penalty's gradient, ~1e6 ulps.
+PENALTY_ULPS = 8
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _mlp(width: int = 48) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(12, width), nn.ReLU(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 10)
+    )
+
+
+def _batch(
+    step: int, rank: int, shape: tuple[int, ...] = (6,)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(*shape, 12, generator=g), torch.randint(0, 10, shape, generator=g)
+
+
+class _Outputs(TorchDispatchMode):
+    """Records every tensor an aten op returns (its shape, and whether it lies in a bucket)."""
+
+    def __init__(self, buckets: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buckets]
+        self.seen: list[tuple[tuple[int, ...], bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                inside = any(lo <= t.data_ptr() < hi for lo, hi in self.spans)
+                self.seen.append((tuple(t.shape), inside))
+        return out
+
+
+def _private_weight_sized(model: DistributedDataParallel, seen: list) -> int:
+    """Outputs shaped like a Linear weight that are not bucket memory."""
+    shapes = {tuple(m.weight.shape) for m in model.module.modules() if isinstance(m, nn.Linear)}
+    return sum(1 for shape, inside in seen if shape in shapes and not inside)
+
+
+def _train(model: nn.Module, rank: int, loss_fn, steps: int = STEPS, shape=(6,)) -> list:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        x, y = _batch(step, rank, shape)
+        loss_fn(model, x, y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return grads
+
+
+def _ce(model, x, y):
+    out = model(x)
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _pair(rank: int, loss_fn=_ce, shape=(6,), **options) -> dict:
+    """Ours and official DDP trained alike: their gradients equal bitwise at every step?"""
+    ours = DistributedDataParallel(_mlp(), **options)
+    theirs = TorchDDP(_mlp())
+    a, b = _train(ours, rank, loss_fn, shape=shape), _train(theirs, rank, loss_fn, shape=shape)
+    pairs = [
+        (x, y)
+        for step_a, step_b in zip(a, b, strict=True)
+        for x, y in zip(step_a, step_b, strict=True)
+    ]
+    return {
+        "bitwise": all(torch.equal(x, y) for x, y in pairs),
+        "worst_ulps": max(((x - y).abs().max() / (y.abs().max() * EPS32)).item() for x, y in pairs),
+    }
+
+
+def _case_in_slots(info) -> dict:
+    out = {}
+    for name, slots_on in (("slots", True), ("copy_path", False)):
+        model = DistributedDataParallel(_mlp())
+        if not slots_on:
+            model._linear_slots = None
+        _train(model, info.rank, _ce, steps=1)  # buckets rebuilt in ready order after this
+        model.zero_grad(set_to_none=True)
+        x, y = _batch(5, info.rank)
+        loss = _ce(model, x, y)
+        with _Outputs(model._buckets) as seen:
+            loss.backward()
+        out[name] = {
+            "private_weight_sized": _private_weight_sized(model, seen.seen),
+            "grads_in_buckets": all(
+                any(lo <= p.grad.data_ptr() < hi for lo, hi in seen.spans)
+                for p in model.module.parameters()
+            ),
+        }
+    out["vs_official"] = _pair(info.rank)
+    out["vs_official_3d"] = _pair(info.rank, shape=(3, 4))
+    return out
+
+
+def _case_penalty(info) -> dict:
+    def penalized(model, x, y):
+        first = model.module[0] if hasattr(model, "module") else model[0]
+        return _ce(model, x, y) + 0.5 * first.weight.pow(2).sum()
+
+    return _pair(info.rank, penalized)
+
+
+def _case_hook(info) -> dict:
+    """A hook on a weight sees the rank's local, unscaled gradient, as without a wrapper."""
+    seen = {}
+    ours = DistributedDataParallel(_mlp())
+    plain = _mlp()
+    for name, m in (("ours", ours.module), ("plain", plain)):
+        m[2].weight.register_hook(lambda g, name=name: seen.__setitem__(name, g.clone()))
+    x, y = _batch(0, info.rank)
+    _ce(ours, x, y).backward()
+    _ce(plain, x, y).backward()
+    return {"hook_sees_local": torch.equal(seen["ours"], seen["plain"]), **_pair(info.rank)}
+
+
+def _case_no_sync(info) -> dict:
+    def accumulate(model, x, y):
+        sync = getattr(model, "no_sync", None)
+        for k in range(2):
+            with sync():
+                _ce(model, x[k::3], y[k::3]).backward()
+        return _ce(model, x[2::3], y[2::3])
+
+    return _pair(info.rank, accumulate)
+
+
+def _case_autocast(info) -> dict:
+    def bf16(model, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        return F.cross_entropy(out.float(), y)
+
+    return _pair(info.rank, bf16)
+
+
+def _case_third(info) -> dict:
+    """ws=3: the slot path (mm, then the 1/3 multiply) and the copy path give the same bits."""
+    results = []
+    for slots_on in (True, False):
+        # Wide enough that a GEMM scaled by alpha=1/3 rounds differently from mm, then * (1/3).
+        model = DistributedDataParallel(_mlp(width=300))
+        if not slots_on:
+            model._linear_slots = None
+        results.append(_train(model, info.rank, _ce))
+    pairs = [(a, b) for sa, sb in zip(*results, strict=True) for a, b in zip(sa, sb, strict=True)]
+    return {"bitwise": all(torch.equal(a, b) for a, b in pairs)}
+
+
+CASES = {
+    "in_slots": _case_in_slots,
+    "penalty": _case_penalty,
+    "hook": _case_hook,
+    "no_sync": _case_no_sync,
+    "autocast": _case_autocast,
+    "third": _case_third,
+}
+BY_WORLD = {2: [c for c in CASES if c != "third"], 3: ["third"]}
+
+
+def _run_cases(names: list[str]) -> dict:
+    return worlds.run_cases(CASES, names)
+
+
+world = worlds.spawner(_run_cases, BY_WORLD, timeout_s=WORLD_TIMEOUT_S)
+
+
+def test_linear_gradients_are_computed_in_their_bucket_slots():
+    """ws=2: backward makes no private weight-sized tensor (the copy path does); grads are views."""
+    for r in worlds.outcome(world(2), "in_slots"):
+        assert r["slots"] == {"private_weight_sized": 0, "grads_in_buckets": True}
+        assert r["copy_path"]["private_weight_sized"] >= 3
+        assert r["copy_path"]["grads_in_buckets"]
+
+
+def test_slot_gradients_equal_official_ddp_bitwise():
+    """ws=2, 3 SGD steps of an MLP, 2-D and 3-D inputs: every gradient equals official DDP's."""
+    for r in worlds.outcome(world(2), "in_slots"):
+        assert r["vs_official"]["bitwise"] and r["vs_official_3d"]["bitwise"]
+
+
+@pytest.mark.parametrize("case", ["hook", "no_sync", "autocast"])
+def test_cases_that_keep_autograds_tensor_equal_official_ddp_bitwise(case):
+    """A hook on a weight, no_sync accumulation, bf16 autocast: bitwise official DDP's gradients."""
+    for r in worlds.outcome(world(2), case):
+        assert r["bitwise"]
+        if case == "hook":
+            assert r["hook_sees_local"]
+
+
+def test_a_penalty_outside_forward_is_added_to_the_slot_gradient():
+    """A weight penalty after the forward: gradients within a few ulps of official DDP's."""
+    for r in worlds.outcome(world(2), "penalty"):
+        assert r["worst_ulps"] <= PENALTY_ULPS
+
+
+def test_scale_that_is_not_a_power_of_two_keeps_the_copy_paths_bits():
+    """ws=3: gradients computed into slots equal those copied and scaled by the hook, bitwise."""
+    for r in worlds.outcome(world(3), "third"):
+        assert r["bitwise"]
+
+
+def test_a_weight_used_twice_in_one_forward_is_not_claimed():
+    """One process: a weight in two F.linear calls keeps autograd's sum; a single use is adopted."""
+    w = nn.Parameter(torch.randn(4, 3))
+    slot = torch.zeros(4, 3)
+    claims = []
+
+    def claim(p):
+        claims.append(p is w)
+        return slot, 0.5
+
+    x = torch.randn(5, 3)
+    plain = nn.Parameter(w.detach().clone())
+    F.linear(x, plain).sum().backward()
+    with LinearSlots(claim, [w]):
+        loss = F.linear(x, w).sum() + F.linear(x, w).sum()
+    loss.backward()
+    assert claims == [] and w.grad.data_ptr() != slot.data_ptr()
+    assert torch.equal(w.grad, plain.grad + plain.grad)
+
+    w.grad = None
+    with LinearSlots(claim, [w]):
+        loss = F.linear(x, w).sum()
+    loss.backward()
+    assert claims == [True] and w.grad.data_ptr() == slot.data_ptr()
+    assert torch.equal(w.grad, plain.grad * 0.5)
