@@ -116,7 +116,7 @@ def format_table(result: dict[str, Any]) -> str:
             if hidden > 1:
                 verdict = "all of it (exposed <= 0, within noise)"
             elif hidden < 0:
-                verdict = "none: exposed > comm alone (copies into buckets, CPU contention)"
+                verdict = "none: exposed > comm alone (filling buckets, CPU contention)"
             else:
                 verdict = f"{100 * hidden:.0f}%"
             lines.append(
