@@ -22,7 +22,9 @@ the slot and corrects: slot + scale * (sum - slot). The slot is not claimed, and
 returns what autograd would, when writing there would change what anyone sees: a `.grad` to
 accumulate into (no_sync, zero_grad(set_to_none=False)), create_graph, hooks on the parameter
 (they must see the local gradient), a slot already claimed in this backward. Autocast, other
-dtypes, and N-D inputs that are not contiguous are not intercepted.
+dtypes, N-D inputs that are not contiguous, calls under torch.func transforms and calls
+while saved-tensor hooks are active (non-reentrant activation checkpointing) are not
+intercepted.
 """
 
 from __future__ import annotations
@@ -80,11 +82,26 @@ class LinearSlots(TorchFunctionMode):
             return False
         if type(x) is not torch.Tensor or x.dtype != weight.dtype or x.dim() < 2:
             return False
+        if torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return False  # under vmap/grad: a custom Function would need their rules
+        if not torch.is_grad_enabled() or _saved_tensors_hooked():
+            # Saved-tensor hooks (non-reentrant activation checkpointing, offloading) replay
+            # or replace what the forward saved, matched by position against a recomputation
+            # that runs outside this mode, so the saved tensors must be autograd's own.
+            return False
         if x.dim() > 2 and not x.is_contiguous():
             return False
         if bias is not None and (bias.dtype != weight.dtype or id(bias) not in self._ids):
             return False
         return not torch.is_autocast_enabled(x.device.type)
+
+
+# Private torch API; without it, assume hooks may be active and route nothing.
+_TOP_SAVED_TENSOR_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _saved_tensors_hooked() -> bool:
+    return _TOP_SAVED_TENSOR_HOOKS is None or _TOP_SAVED_TENSOR_HOOKS(False) is not None
 
 
 class _Linear(torch.autograd.Function):

@@ -85,10 +85,10 @@ def _ce(model, x, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
-def _pair(rank: int, loss_fn=_ce, shape=(6,), **options) -> dict:
+def _pair(rank: int, loss_fn=_ce, shape=(6,), factory=_mlp, **options) -> dict:
     """Ours and official DDP trained alike: their gradients equal bitwise at every step?"""
-    ours = DistributedDataParallel(_mlp(), **options)
-    theirs = TorchDDP(_mlp())
+    ours = DistributedDataParallel(factory(), **options)
+    theirs = TorchDDP(factory())
     a, b = _train(ours, rank, loss_fn, shape=shape), _train(theirs, rank, loss_fn, shape=shape)
     pairs = [
         (x, y)
@@ -166,6 +166,41 @@ def _case_autocast(info) -> dict:
     return _pair(info.rank, bf16)
 
 
+class _Checkpointed(nn.Module):
+    """_mlp's layers with its first two under activation checkpointing."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.net, self.reentrant = _mlp(), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def first(t):
+            return torch.tanh(self.net[2](torch.relu(self.net[0](t))))
+
+        x = x.requires_grad_(self.reentrant)  # reentrant checkpointing needs an input with grad
+        h = torch.utils.checkpoint.checkpoint(first, x, use_reentrant=self.reentrant)
+        return self.net[4](h)
+
+
+class _Vmapped(nn.Module):
+    """_mlp applied one sample at a time under torch.func.vmap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.vmap(lambda row: self.net(row.unsqueeze(0)).squeeze(0))(x)
+
+
+def _case_checkpointed(info) -> dict:
+    return {
+        "reentrant": _pair(info.rank, factory=lambda: _Checkpointed(True))["bitwise"],
+        "non_reentrant": _pair(info.rank, factory=lambda: _Checkpointed(False))["bitwise"],
+        "vmap": _pair(info.rank, factory=_Vmapped)["bitwise"],
+    }
+
+
 def _case_third(info) -> dict:
     """ws=3: the slot path (mm, then the 1/3 multiply) and the copy path give the same bits."""
     results = []
@@ -185,6 +220,7 @@ CASES = {
     "hook": _case_hook,
     "no_sync": _case_no_sync,
     "autocast": _case_autocast,
+    "checkpointed": _case_checkpointed,
     "third": _case_third,
 }
 BY_WORLD = {2: [c for c in CASES if c != "third"], 3: ["third"]}
@@ -218,6 +254,12 @@ def test_cases_that_keep_autograds_tensor_equal_official_ddp_bitwise(case):
         assert r["bitwise"]
         if case == "hook":
             assert r["hook_sees_local"]
+
+
+def test_checkpointed_and_vmapped_layers_equal_official_ddp_bitwise():
+    """Activation checkpointing (reentrant or not) and torch.func.vmap inside the forward."""
+    for r in worlds.outcome(world(2), "checkpointed"):
+        assert r == {"reentrant": True, "non_reentrant": True, "vmap": True}
 
 
 def test_a_penalty_outside_forward_is_added_to_the_slot_gradient():
