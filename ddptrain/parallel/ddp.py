@@ -55,7 +55,7 @@ from ddptrain.parallel.buckets import (
 from ddptrain.parallel.buffers import ModelBuffers
 from ddptrain.parallel.comm import allreduce_hook, default_transport, local_hook
 from ddptrain.parallel.layout import CAST_CHUNK, scale_into_narrower, view_like
-from ddptrain.parallel.linear_grads import LinearSlots
+from ddptrain.parallel.linear_grads import LinearSlots, slot_params
 from ddptrain.parallel.replicas import broadcast_coalesced, coalesce, verify_same_model
 from ddptrain.parallel.step_state import StepState
 
@@ -140,14 +140,10 @@ class DistributedDataParallel(nn.Module):
         ]
         self._sync = True
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
-        # The mode costs ~1 us of Python per torch call in the forward: worth it where copying
-        # gradients is the cost it saves (CPU memory bandwidth), not where a forward is bound
-        # by kernel launches (GPU).
-        routes = gradient_as_bucket_view and any(isinstance(m, nn.Linear) for m in modules)
-        on_cpu = all(p.device.type == "cpu" for p in self._params)
-        self._linear_slots = (
-            LinearSlots(self._claim_slot, self._params) if routes and on_cpu else None
-        )
+        # The mode costs ~1 us of Python per torch call in the forward: entered only for large
+        # CPU Linear layers, where copying gradients is the cost it saves (memory bandwidth).
+        slotted = slot_params(modules) if gradient_as_bucket_view else []
+        self._linear_slots = LinearSlots(self._claim_slot, slotted) if slotted else None
         self._scratch = torch.empty(0)
         self._step = StepState(len(self._params), self._bucket_lens, self.world_size)
         self._join: Any = None

@@ -35,11 +35,32 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
+
+# Layers whose weight is smaller keep autograd's own function. Routing a call through a Python
+# autograd function costs ~0.1-0.3 ms a step per layer; the copy it saves costs that much at
+# about 1 MiB. Routed, the recipe LeNet's two layers (256 KiB and 4 KiB) made its ws=2 step
+# 1.7-1.8% slower; the bench MLP's 20 MiB layers save 12 ms a step.
+SLOT_MIN_BYTES = 1 << 20
 
 # The slot a parameter's gradient may be written into this backward and the factor to scale it
 # by there, or None.
 Claim = Callable[[torch.Tensor], "tuple[torch.Tensor, float] | None"]
+
+
+def slot_params(modules: list[nn.Module], min_bytes: int | None = None) -> list[torch.Tensor]:
+    """Weights (and their biases) of the nn.Linear layers among `modules` worth routing:
+    trainable, on CPU, weights of at least `min_bytes` (default SLOT_MIN_BYTES) (pure)."""
+    floor = SLOT_MIN_BYTES if min_bytes is None else min_bytes
+    out = []
+    for m in modules:
+        w = m.weight if isinstance(m, nn.Linear) else None
+        if w is None or not w.requires_grad or w.device.type != "cpu":
+            continue
+        if w.numel() * w.element_size() >= floor:
+            out += [w] if m.bias is None else [w, m.bias]
+    return out
 
 
 class LinearSlots(TorchFunctionMode):

@@ -16,8 +16,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import worlds
+from ddptrain.models import LeNet
+from ddptrain.parallel import linear_grads
 from ddptrain.parallel.ddp import DistributedDataParallel
-from ddptrain.parallel.linear_grads import LinearSlots
+from ddptrain.parallel.linear_grads import LinearSlots, slot_params
 
 WORLD_TIMEOUT_S = 300
 pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
@@ -227,6 +229,7 @@ BY_WORLD = {2: [c for c in CASES if c != "third"], 3: ["third"]}
 
 
 def _run_cases(names: list[str]) -> dict:
+    linear_grads.SLOT_MIN_BYTES = 0  # route these small test layers too (in the ranks only)
     return worlds.run_cases(CASES, names)
 
 
@@ -299,3 +302,18 @@ def test_a_weight_used_twice_in_one_forward_is_not_claimed():
     loss.backward()
     assert claims == [True] and w.grad.data_ptr() == slot.data_ptr()
     assert torch.equal(w.grad, plain.grad * 0.5)
+
+
+def test_only_large_trainable_linear_layers_are_routed():
+    """slot_params: weights of >= 1 MiB (and their biases), trainable; the recipe LeNet: none."""
+    big, small, frozen, no_bias = (
+        nn.Linear(1024, 256),
+        nn.Linear(16, 4),
+        nn.Linear(1024, 256),
+        nn.Linear(1024, 256, bias=False),
+    )
+    frozen.requires_grad_(False)
+    got = slot_params([nn.Sequential(), big, small, frozen, no_bias])
+    assert [id(p) for p in got] == [id(big.weight), id(big.bias), id(no_bias.weight)]
+    assert [id(p) for p in slot_params([small], min_bytes=0)] == [id(small.weight), id(small.bias)]
+    assert slot_params(list(LeNet(width=2, batchnorm=True).modules())) == []
