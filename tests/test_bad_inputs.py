@@ -157,6 +157,11 @@ def _backward_twice(case_dir: Path) -> None:
     loss.backward()
 
 
+def _create_graph(case_dir: Path) -> None:
+    model = ddptrain.DDP(nn.Linear(4, 4))
+    model(torch.randn(2, 4)).pow(2).sum().backward(create_graph=True)
+
+
 def _params_added(case_dir: Path) -> None:
     model = ddptrain.DDP(nn.Sequential(nn.Linear(4, 4)))
     model.module.append(nn.Linear(4, 4))
@@ -403,6 +408,12 @@ CASES: dict[str, Case] = {
         "backward was called twice on one forward under DistributedDataParallel"
         f"{GAP}Run a new forward before each backward",
         _backward_twice,
+    ),
+    "create-graph": Case(
+        RuntimeError,
+        "backward(create_graph=True) is not supported under DistributedDataParallel"
+        f"{GAP}take torch.autograd.grad(loss, params, create_graph=True)",
+        _create_graph,
     ),
     "params-added-after-wrapping": Case(
         RuntimeError,

@@ -302,6 +302,13 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError(
                 f"gradient of '{self._param_names[index]}' became ready twice in one backward"
             )
+        if param.grad is not None and param.grad.requires_grad:
+            raise RuntimeError(
+                "backward(create_graph=True) is not supported under DistributedDataParallel "
+                "(nor under torch's): averaged gradients are written into buckets outside "
+                "autograd. For a gradient penalty, take torch.autograd.grad(loss, params, "
+                "create_graph=True), add the penalty to the loss, then call backward() on it"
+            )
         if not step.callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             step.callback_queued = True
