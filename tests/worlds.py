@@ -37,6 +37,18 @@ def run_cases(cases: dict[str, Callable[[Any], Any]], names: list[str]) -> dict[
     return out
 
 
+def run_cases_in_shared_memory(
+    cases: dict[str, Callable[[Any], Any]], names: list[str]
+) -> dict[str, tuple]:
+    """run_cases, with the shared-memory transport taking buckets of any size."""
+    # The test buckets are a few KB: without the 256 MB headroom a 64 MB container /dev/shm
+    # still takes the shared path these tests are about.
+    from ddptrain.parallel import shm
+
+    shm._SHM_HEADROOM_BYTES = 0
+    return run_cases(cases, names)
+
+
 def outcome(results: list[dict[str, tuple]], name: str) -> list[Any]:
     """Each rank's result of case `name`, by rank; fails the test with a rank's traceback."""
     for rank, per_case in enumerate(results):

@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import toy_models
 import worlds
-from ddptrain.parallel import shm
 from ddptrain.parallel.comm import CastHook, RingHook, allreduce_hook, make_hook, ring_all_reduce
 from ddptrain.parallel.ddp import DistributedDataParallel
 from ddptrain.parallel.shm import SharedMemoryHook
@@ -60,10 +59,7 @@ CASES_BY_WORLD = {
 
 
 def _run_cases(names: list[str]) -> dict:
-    # The test buckets are a few KB: without the 256 MB headroom a 64 MB container /dev/shm
-    # still takes the shared path these tests are about.
-    shm._SHM_HEADROOM_BYTES = 0
-    return worlds.run_cases(CASES, names)
+    return worlds.run_cases_in_shared_memory(CASES, names)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import torch
 from sums import ATOL, NUMELS, RTOL, backend_sum, needs_shm
 
 import worlds
-from ddptrain.parallel import shm
 from ddptrain.parallel.comm import allreduce_hook
 from ddptrain.parallel.ddp import DistributedDataParallel
 from ddptrain.parallel.shm import _COUNTER_STRIDE, SHM_DIR, SharedMemoryHook, _SharedBarrier
@@ -125,10 +124,7 @@ CASES_BY_WORLD = {
 
 
 def _run_cases(names: list[str]) -> dict:
-    # The test buckets are a few KB: without the 256 MB headroom a 64 MB container /dev/shm
-    # still takes the shared path these tests are about.
-    shm._SHM_HEADROOM_BYTES = 0
-    return worlds.run_cases(CASES, names)
+    return worlds.run_cases_in_shared_memory(CASES, names)
 
 
 @pytest.fixture(scope="module")
