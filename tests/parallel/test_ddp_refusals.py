@@ -7,6 +7,8 @@ One spawned world of 2 ranks runs every case (worlds.run_cases).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -27,13 +29,18 @@ def world():
     return ddptrain.spawn(_run_cases, WORLD_SIZE, timeout_s=WORLD_TIMEOUT_S)
 
 
-def _case_shape_mismatch(info) -> str:
-    width = 8 if info.rank == 0 else 9
+def _raised(call: Callable[[], object]) -> str:
+    """The message of the RuntimeError `call()` raised, or "no error"."""
     try:
-        DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, width)))
+        call()
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+def _case_shape_mismatch(info) -> str:
+    width = 8 if info.rank == 0 else 9
+    return _raised(lambda: DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, width))))
 
 
 def test_shape_mismatch_is_a_clear_error_on_every_rank(world):
@@ -48,11 +55,7 @@ def _case_backward_twice(info) -> str:
     model = DistributedDataParallel(torch.nn.Linear(3, 1))
     loss = model(torch.ones(2, 3)).sum()
     loss.backward(retain_graph=True)
-    try:
-        loss.backward()
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    return _raised(loss.backward)
 
 
 def test_backward_twice_is_a_clear_error(world):
@@ -65,11 +68,7 @@ def _case_param_added(info) -> str:
     module = torch.nn.Sequential(torch.nn.Linear(3, 3))
     model = DistributedDataParallel(module)
     module.append(torch.nn.Linear(3, 1))
-    try:
-        model(torch.ones(1, 3))
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    return _raised(lambda: model(torch.ones(1, 3)))
 
 
 def test_parameters_added_after_wrapping_are_refused(world):
@@ -84,23 +83,19 @@ def test_needs_a_process_group():
         DistributedDataParallel(torch.nn.Linear(2, 2))
 
 
-def _case_structure_changes(info) -> dict:
+def _case_structure_changes(info) -> str:
     module = torch.nn.Sequential(torch.nn.Linear(3, 3))
     model = DistributedDataParallel(module)
     module.append(torch.nn.ReLU())  # no parameters: still fine
     model(torch.ones(1, 3))
     module[0].register_parameter("extra", torch.nn.Parameter(torch.ones(1)))
-    try:
-        model(torch.ones(1, 3))
-    except RuntimeError as e:
-        return {"error": str(e)}
-    return {"error": None}
+    return _raised(lambda: model(torch.ones(1, 3)))
 
 
 def test_parameter_added_to_an_existing_layer_is_refused_but_a_plain_layer_is_not(world):
     """A new parameter on a wrapped layer is caught; appending a parameter-free layer is fine."""
-    for result in worlds.outcome(world, "structure_changes"):
-        assert "parameters changed after wrapping" in result["error"]
+    for message in worlds.outcome(world, "structure_changes"):
+        assert "parameters changed after wrapping" in message
 
 
 CASES = {
