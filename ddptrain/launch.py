@@ -117,35 +117,40 @@ def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
     out: dict[int, Any] = {}
     while len(out) < world_size:
         try:
-            rank, ok, payload = results.get(timeout=_POLL_S)
+            _take(results.get(timeout=_POLL_S), out)
         except queue.Empty:
-            for rank, p in enumerate(procs):
-                if rank not in out and p.exitcode is not None:
-                    _drain_error(results)
-                    raise WorkerError(
-                        rank, f"process exited with code {p.exitcode} without a result", ""
-                    ) from None
+            exited = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+            if exited:
+                # A worker's last put can reach the pipe after the get above gave up and before
+                # its exit code shows: read what is queued before calling it lost.
+                _drain(results, out)
+                for rank in exited:
+                    if rank not in out:
+                        raise WorkerError(
+                            rank,
+                            f"process exited with code {procs[rank].exitcode} without a result",
+                            "",
+                        ) from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(out))
                 raise TimeoutError(
                     f"spawn timed out after {timeout_s:.0f}s; ranks {missing} did not finish "
                     "(a collective run on only some ranks is the usual cause)"
                 ) from None
-            continue
-        if not ok:
-            message, tb = payload
-            raise WorkerError(rank, message, tb)
-        out[rank] = pickle.loads(payload)
     return [out[r] for r in range(world_size)]
 
 
-def _drain_error(results: Any) -> None:
-    # A worker that failed may have queued its traceback just before exiting: prefer it.
+def _take(item: tuple, out: dict[int, Any]) -> None:
+    rank, ok, payload = item
+    if not ok:
+        raise WorkerError(rank, *payload)
+    out[rank] = pickle.loads(payload)
+
+
+def _drain(results: Any, out: dict[int, Any]) -> None:
     try:
         while True:
-            rank, ok, payload = results.get(timeout=0.5)
-            if not ok:
-                raise WorkerError(rank, *payload)
+            _take(results.get(timeout=0.5), out)
     except queue.Empty:
         return
 

@@ -1,8 +1,11 @@
 """Environment parsing and process-group setup (monkeypatched env, one real world of size 1)."""
 
 import os
+import pickle
+import queue
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from ddptrain.dist import (
     resolve_backend,
     resolve_device,
 )
+from ddptrain.launch import _collect
 from ddptrain.parallel.comm import RingHook
 from ddptrain.parallel.tcp import SocketHook
 
@@ -155,6 +159,32 @@ def test_spawn_propagates_worker_exception_with_rank():
     """A worker's exception reaches the caller with its rank and traceback; no orphan hangs."""
     with pytest.raises(ddptrain.WorkerError, match="rank 1 failed: ValueError: deliberate"):
         ddptrain.spawn(_run_fail_on_rank1, 2, timeout_s=60)
+
+
+class _LateQueue:
+    """A results queue whose item arrives only after the first poll has come back empty."""
+
+    def __init__(self, item: tuple):
+        self.items = [None, item]
+
+    def get(self, timeout: float) -> tuple:
+        item = self.items.pop(0) if self.items else None
+        if item is None:
+            raise queue.Empty
+        return item
+
+
+def test_spawn_keeps_a_result_that_lands_after_its_worker_exited():
+    """A result queued just before the worker's exit code shows is returned, not called lost."""
+    exited = SimpleNamespace(exitcode=0)
+    late = _LateQueue((0, True, pickle.dumps("done")))
+    assert _collect([exited], late, timeout_s=5) == ["done"]
+
+
+def test_spawn_reports_a_worker_that_exited_without_a_result():
+    """A worker gone with nothing queued is a WorkerError naming its rank and exit code."""
+    with pytest.raises(ddptrain.WorkerError, match="rank 0 failed: .*exited with code 3"):
+        _collect([SimpleNamespace(exitcode=3)], _LateQueue(None), timeout_s=5)
 
 
 def _run_sleep() -> None:
