@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 import ddptrain
-from ddptrain.bench.steps import MLP
+from ddptrain.bench.models import MLP
 from ddptrain.cli import ArgumentParser, non_negative, positive, run_alike, run_main
 from ddptrain.data.idx import (
     DEBIAN_FASHION_MNIST,

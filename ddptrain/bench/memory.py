@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
+from ddptrain.bench.models import MODELS
 from ddptrain.bench.report import machine
-from ddptrain.bench.steps import MODELS
 from ddptrain.parallel.ddp import DistributedDataParallel
 
 VARIANTS = ("ddptrain", "torch_ddp", "local")
