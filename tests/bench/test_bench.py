@@ -9,6 +9,7 @@ import pytest
 
 from ddptrain.bench import report as bench_report
 from ddptrain.bench import steps as bench
+from ddptrain.bench.models import MODELS
 
 
 def test_quick_run_writes_the_expected_json(tmp_path):
@@ -29,7 +30,7 @@ def test_quick_run_writes_the_expected_json(tmp_path):
         assert row["p25_ms"] <= row["median_ms"] <= row["p75_ms"], name
     assert lenet["variants"]["torch_ddp"]["vs_torch_ddp"] == 1.0
     assert lenet["variants"]["local"]["exposed_comm_ms"] is None
-    model = bench.MODELS["lenet"][0]()
+    model = MODELS["lenet"][0]()
     assert lenet["comm_alone_ms"] > 0
     assert lenet["params"] == sum(p.numel() for p in model.parameters())
     [ring] = saved["ring"]
