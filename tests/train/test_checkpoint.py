@@ -2,7 +2,6 @@
 
 import hashlib
 import json
-import os
 import random
 import signal
 import subprocess
@@ -11,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from checkpoint_files import file_names, tiny_state
 from torch import nn
 
 import ddptrain.train.checkpoint as ckpt
@@ -54,14 +54,6 @@ def _state(model: nn.Module) -> dict:
         "config": {"lr": 0.1, "layers": [4, 8, 3], "name": "mlp", "amp": False},
         "world_size": 2,
     }
-
-
-def _tiny(value: float = 1.0) -> dict:
-    return {"model": {"w": torch.full((3,), value)}, "world_size": 1}
-
-
-def _names(directory) -> list[str]:
-    return sorted(os.listdir(directory))
 
 
 @pytest.mark.parametrize("step", [0, 7, 12_345_678, 123_456_789])
@@ -113,7 +105,7 @@ def test_model_loads_into_plain_module_with_plain_torch_load(tmp_path):
 
 def test_sidecar_is_readable_json_describing_the_file(tmp_path):
     """The sidecar holds step, epoch, metrics, world_size, versions, size and sha256 of the .pt."""
-    path = save_checkpoint(tmp_path, _tiny(), step=3, epoch=2, metrics={"val_loss": 1.5})
+    path = save_checkpoint(tmp_path, tiny_state(), step=3, epoch=2, metrics={"val_loss": 1.5})
     sidecar = json.loads(path.with_suffix(".json").read_text())
     assert sidecar["step"] == 3 and sidecar["epoch"] == 2 and sidecar["world_size"] == 1
     assert sidecar["metrics"] == {"val_loss": 1.5}
@@ -151,7 +143,7 @@ ckpt.save_checkpoint(directory, {"model": {"w": torch.full((256, 256), 2.0)}}, s
 @pytest.mark.parametrize("stage", ["mid_write", "before_rename", "before_sidecar"])
 def test_save_killed_midway_keeps_previous_checkpoint(tmp_path, stage):
     """A save SIGKILLed anywhere leaves the previous checkpoint latest; the next save cleans up."""
-    save_checkpoint(tmp_path, _tiny(1.0), step=1)
+    save_checkpoint(tmp_path, tiny_state(1.0), step=1)
     child = subprocess.run(
         [sys.executable, "-c", _KILLED_SAVE, stage, str(tmp_path)],
         capture_output=True,
@@ -159,7 +151,7 @@ def test_save_killed_midway_keeps_previous_checkpoint(tmp_path, stage):
         timeout=120,
     )
     assert child.returncode == -signal.SIGKILL, child.stderr
-    leftovers = set(_names(tmp_path)) - {"ckpt-00000001.pt", "ckpt-00000001.json"}
+    leftovers = set(file_names(tmp_path)) - {"ckpt-00000001.pt", "ckpt-00000001.json"}
     temps = {name for name in leftovers if name.endswith(".tmp")}
     assert len(temps) == 1
     assert leftovers - temps == ({"ckpt-00000002.pt"} if stage == "before_sidecar" else set())
@@ -171,8 +163,8 @@ def test_save_killed_midway_keeps_previous_checkpoint(tmp_path, stage):
     assert latest == tmp_path / "ckpt-00000001.pt"
     assert torch.equal(load_checkpoint(latest)["model"]["w"], torch.ones(3))
 
-    save_checkpoint(tmp_path, _tiny(3.0), step=3, keep_last=5)
-    assert _names(tmp_path) == [
+    save_checkpoint(tmp_path, tiny_state(3.0), step=3, keep_last=5)
+    assert file_names(tmp_path) == [
         "ckpt-00000001.json",
         "ckpt-00000001.pt",
         "ckpt-00000003.json",
@@ -182,22 +174,22 @@ def test_save_killed_midway_keeps_previous_checkpoint(tmp_path, stage):
 
 def test_failed_save_keeps_older_checkpoints_and_leaves_no_temp_file(tmp_path, monkeypatch):
     """Retention runs only after the new file is safe: a failing save deletes nothing."""
-    save_checkpoint(tmp_path, _tiny(1.0), step=1, keep_last=1)
+    save_checkpoint(tmp_path, tiny_state(1.0), step=1, keep_last=1)
 
     def failing_replace(src, dst):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckpt.os, "replace", failing_replace)
     with pytest.raises(OSError, match="No space"):
-        save_checkpoint(tmp_path, _tiny(2.0), step=2, keep_last=1)
+        save_checkpoint(tmp_path, tiny_state(2.0), step=2, keep_last=1)
     monkeypatch.undo()
-    assert _names(tmp_path) == ["ckpt-00000001.json", "ckpt-00000001.pt"]
+    assert file_names(tmp_path) == ["ckpt-00000001.json", "ckpt-00000001.pt"]
     assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-00000001.pt"
 
 
 def test_truncated_file_is_a_clear_error(tmp_path):
     """A truncated .pt without sidecar fails with CheckpointError naming the file."""
-    path = save_checkpoint(tmp_path, _tiny(), step=1)
+    path = save_checkpoint(tmp_path, tiny_state(), step=1)
     path.with_suffix(".json").unlink()
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(CheckpointError, match=r"ckpt-00000001\.pt is not a readable torch"):
@@ -206,7 +198,7 @@ def test_truncated_file_is_a_clear_error(tmp_path):
 
 def test_truncated_file_with_sidecar_fails_the_size_check(tmp_path):
     """A truncated .pt with its sidecar is reported as truncated, before torch reads it."""
-    path = save_checkpoint(tmp_path, _tiny(), step=1)
+    path = save_checkpoint(tmp_path, tiny_state(), step=1)
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(CheckpointError, match="truncated or modified"):
         load_checkpoint(path)
@@ -257,8 +249,8 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path):
 
 def test_flipped_byte_is_caught_by_the_sidecar_hash(tmp_path):
     """A same-size corruption fails sha256: load refuses it and latest falls back one step."""
-    save_checkpoint(tmp_path, _tiny(1.0), step=1)
-    path = save_checkpoint(tmp_path, _tiny(2.0), step=2)
+    save_checkpoint(tmp_path, tiny_state(1.0), step=1)
+    path = save_checkpoint(tmp_path, tiny_state(2.0), step=2)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
@@ -270,34 +262,34 @@ def test_flipped_byte_is_caught_by_the_sidecar_hash(tmp_path):
 
 def test_saving_a_step_twice_is_refused(tmp_path):
     """Overwriting a complete checkpoint is refused, because it could not be done atomically."""
-    save_checkpoint(tmp_path, _tiny(1.0), step=1)
+    save_checkpoint(tmp_path, tiny_state(1.0), step=1)
     with pytest.raises(CheckpointError, match="already holds a complete checkpoint"):
-        save_checkpoint(tmp_path, _tiny(2.0), step=1)
+        save_checkpoint(tmp_path, tiny_state(2.0), step=1)
     assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000001.pt")["model"]["w"], torch.ones(3))
 
 
 def test_state_that_weights_only_would_refuse_fails_at_save_time(tmp_path):
     """A non-plain value (here a numpy scalar or a function) is named at save, not at resume."""
-    bad = {**_tiny(), "config": {"lr": lambda step: 0.1}}
+    bad = {**tiny_state(), "config": {"lr": lambda step: 0.1}}
     with pytest.raises(CheckpointError, match=r"state\['config'\]\['lr'\] is a .*function"):
         save_checkpoint(tmp_path, bad, step=1)
     if np is not None:
         with pytest.raises(CheckpointError, match="numpy"):
-            save_checkpoint(tmp_path, {**_tiny(), "sampler": {"pos": np.int64(3)}}, step=1)
-    assert _names(tmp_path) == []
+            save_checkpoint(tmp_path, {**tiny_state(), "sampler": {"pos": np.int64(3)}}, step=1)
+    assert file_names(tmp_path) == []
 
 
 def test_non_numeric_metric_is_refused_before_writing(tmp_path):
     """Metrics go into JSON, so a non-number is named before any file is written."""
     with pytest.raises(CheckpointError, match="metric 'acc'"):
-        save_checkpoint(tmp_path, _tiny(), step=1, metrics={"acc": torch.ones(2)})
-    assert _names(tmp_path) == []
+        save_checkpoint(tmp_path, tiny_state(), step=1, metrics={"acc": torch.ones(2)})
+    assert file_names(tmp_path) == []
 
 
 def test_reserved_keys_in_state_are_refused(tmp_path):
     """step and epoch come from the keyword arguments only, so they cannot disagree."""
     with pytest.raises(ValueError, match="'step'"):
-        save_checkpoint(tmp_path, {**_tiny(), "step": 4}, step=5)
+        save_checkpoint(tmp_path, {**tiny_state(), "step": 4}, step=5)
 
 
 def _draws() -> list:
@@ -320,7 +312,7 @@ def test_rng_state_round_trips_in_process():
 
 def test_rng_state_round_trips_through_a_weights_only_checkpoint(tmp_path):
     """The captured RNG state survives save and weights_only load, then replays the same draws."""
-    path = save_checkpoint(tmp_path, {**_tiny(), "rng": capture_rng_state()}, step=1)
+    path = save_checkpoint(tmp_path, {**tiny_state(), "rng": capture_rng_state()}, step=1)
     expected = _draws()
     restore_rng_state(load_checkpoint(path)["rng"])
     assert _draws() == expected

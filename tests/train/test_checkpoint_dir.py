@@ -5,7 +5,7 @@ import os
 import stat
 
 import pytest
-import torch
+from checkpoint_files import file_names, tiny_state
 
 import ddptrain.train.checkpoint as ckpt
 from ddptrain.train.checkpoint import (
@@ -21,45 +21,37 @@ from ddptrain.train.checkpoint import (
 )
 
 
-def _tiny(value: float = 1.0) -> dict:
-    return {"model": {"w": torch.full((3,), value)}, "world_size": 1}
-
-
-def _names(directory) -> list[str]:
-    return sorted(os.listdir(directory))
-
-
 def test_latest_and_list_ignore_temp_files_and_empty_dirs(tmp_path):
     """latest_checkpoint is None for a missing or empty dir; temp files are never listed."""
     assert latest_checkpoint(tmp_path / "missing") is None
     assert latest_checkpoint(tmp_path) is None
     (tmp_path / ".ckpt-00000009.pt.0123456789abcdef.tmp").write_bytes(b"partial")
-    save_checkpoint(tmp_path, _tiny(), step=5)
-    save_checkpoint(tmp_path, _tiny(), step=12)
+    save_checkpoint(tmp_path, tiny_state(), step=5)
+    save_checkpoint(tmp_path, tiny_state(), step=12)
     assert list_checkpoints(tmp_path) == [
         tmp_path / "ckpt-00000005.pt",
         tmp_path / "ckpt-00000012.pt",
     ]
     assert latest_checkpoint(tmp_path) == tmp_path / "ckpt-00000012.pt"
-    assert not any(name.endswith(".tmp") for name in _names(tmp_path))
+    assert not any(name.endswith(".tmp") for name in file_names(tmp_path))
 
 
 def test_keep_last_keeps_only_the_newest_k(tmp_path):
     """keep_last=2 leaves the two newest checkpoints and their sidecars."""
     for step in range(1, 6):
-        save_checkpoint(tmp_path, _tiny(step), step=step, keep_last=2)
+        save_checkpoint(tmp_path, tiny_state(step), step=step, keep_last=2)
     assert list_checkpoints(tmp_path) == [
         tmp_path / "ckpt-00000004.pt",
         tmp_path / "ckpt-00000005.pt",
     ]
-    assert len(_names(tmp_path)) == 4
+    assert len(file_names(tmp_path)) == 4
     verify_checkpoint(tmp_path / "ckpt-00000005.pt")
 
 
 def test_keep_last_none_keeps_everything(tmp_path):
     """keep_last=None never deletes a complete checkpoint."""
     for step in range(1, 5):
-        save_checkpoint(tmp_path, _tiny(), step=step, keep_last=None)
+        save_checkpoint(tmp_path, tiny_state(), step=step, keep_last=None)
     assert [parse_step(p.name) for p in list_checkpoints(tmp_path)] == [1, 2, 3, 4]
 
 
@@ -69,7 +61,7 @@ def test_best_checkpoint_survives_retention(tmp_path, mode, best_step):
     for step, value in enumerate([3.0, 1.0, 2.0, 5.0, 4.0], start=1):
         save_checkpoint(
             tmp_path,
-            _tiny(value),
+            tiny_state(value),
             step=step,
             metrics={"val_loss": value},
             keep_last=1,
@@ -85,15 +77,17 @@ def test_best_checkpoint_survives_retention(tmp_path, mode, best_step):
 
 def test_best_checkpoint_is_none_without_best_metric(tmp_path):
     """No best.json is written unless best_metric is given."""
-    save_checkpoint(tmp_path, _tiny(), step=1, metrics={"val_loss": 1.0})
+    save_checkpoint(tmp_path, tiny_state(), step=1, metrics={"val_loss": 1.0})
     assert best_checkpoint(tmp_path) is None
 
 
 def test_best_metric_missing_from_metrics_is_an_error(tmp_path):
     """A misspelt best_metric fails loudly instead of never recording a best."""
     with pytest.raises(ValueError, match="'val_loss' is not in metrics \\['loss'\\]"):
-        save_checkpoint(tmp_path, _tiny(), step=1, metrics={"loss": 1.0}, best_metric="val_loss")
-    assert _names(tmp_path) == []
+        save_checkpoint(
+            tmp_path, tiny_state(), step=1, metrics={"loss": 1.0}, best_metric="val_loss"
+        )
+    assert file_names(tmp_path) == []
 
 
 @pytest.mark.parametrize(("umask", "expected_mode"), [(0o022, 0o644), (0o077, 0o600), (0, 0o664)])
@@ -101,7 +95,7 @@ def test_saved_files_follow_umask_and_are_never_world_writable(tmp_path, umask, 
     """Checkpoint, sidecar and best.json get 0o666 minus the umask, minus world-write."""
     old = os.umask(umask)
     try:
-        save_checkpoint(tmp_path, _tiny(), step=1, metrics={"m": 1.0}, best_metric="m")
+        save_checkpoint(tmp_path, tiny_state(), step=1, metrics={"m": 1.0}, best_metric="m")
     finally:
         os.umask(old)
     for name in ("ckpt-00000001.pt", "ckpt-00000001.json", "best.json"):
@@ -114,7 +108,7 @@ def test_check_writable_creates_the_directory(tmp_path):
     """check_writable creates missing parents and leaves no probe file behind."""
     target = tmp_path / "a" / "b"
     assert check_writable(target, required_bytes=1) == target
-    assert target.is_dir() and _names(target) == []
+    assert target.is_dir() and file_names(target) == []
 
 
 def test_check_writable_under_a_regular_file_is_a_clear_error(tmp_path):
