@@ -198,13 +198,17 @@ def describe_run(
     per_rank = cfg.micro_global_batch_size // info.world_size
     # No sampler: each rank reads its own part of an IterableDataset (train/uneven.py).
     epoch = f"{sampler.batches_per_epoch} micro-batches" if sampler else "uneven per-rank parts"
+    epochs = f"{cfg.epochs} epoch(s)"
+    if sampler and total_steps * cfg.grad_accum_steps < cfg.epochs * sampler.batches_per_epoch:
+        # A --dry-run or --max-steps run stops early: say so rather than promise every epoch.
+        epochs = f"max_steps={cfg.max_steps} ends it within {epochs}"
     return (
         f"ddptrain: launcher={info.launcher} world_size={info.world_size} "
         f"backend={info.backend} "
         f"device={info.device} | global_batch_size={cfg.global_batch_size} = "
         f"{info.world_size} ranks x {per_rank} per rank x "
         f"{cfg.grad_accum_steps} accumulation step(s) | {total_steps} optimizer steps "
-        f"({cfg.epochs} epoch(s) of {epoch}"
+        f"({epochs} of {epoch}"
         f"{'' if resumed_at is None else f', resumed at step {resumed_at}'}) | "
         f"precision={cfg.precision} | buckets (MiB, launch order)=[{buckets}]"
     )

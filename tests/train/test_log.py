@@ -67,3 +67,32 @@ def test_summary_counts_only_the_samples_trained_since_start_or_resume(monkeypat
     assert summary["wall_s"] == 4.0
     assert (summary["step"], summary["epoch"], summary["world_size"]) == (30, 2, 2)
     assert summary["train_loss"] == 0.5 and summary["eval"] == {"eval_accuracy": 0.9}
+
+
+def _banner(epochs, max_steps, total_steps, batches_per_epoch=235):
+    from types import SimpleNamespace as NS
+
+    cfg = NS(
+        epochs=epochs,
+        max_steps=max_steps,
+        grad_accum_steps=1,
+        micro_global_batch_size=256,
+        global_batch_size=256,
+        precision="fp32",
+    )
+    info = NS(launcher="spawn", world_size=2, backend="gloo", device="cpu")
+    sampler = NS(batches_per_epoch=batches_per_epoch)
+    model = NS(bucket_sizes_bytes=[2**20])
+    return logs.describe_run(cfg, info, sampler, model, total_steps, None)
+
+
+def test_run_banner_says_when_max_steps_ends_the_run_early():
+    """The banner names max_steps when it stops a run before its epochs are done, not otherwise."""
+    full = _banner(epochs=6, max_steps=None, total_steps=6 * 235)
+    assert "1410 optimizer steps (6 epoch(s) of 235 micro-batches)" in full
+    capped = _banner(epochs=5, max_steps=5, total_steps=5)
+    assert (
+        "5 optimizer steps (max_steps=5 ends it within 5 epoch(s) of 235 micro-batches)" in capped
+    )
+    exact = _banner(epochs=2, max_steps=470, total_steps=470)
+    assert "max_steps" not in exact
