@@ -197,9 +197,11 @@ def describe_run(
     buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
     per_rank = cfg.micro_global_batch_size // info.world_size
     # No sampler: each rank reads its own part of an IterableDataset (train/uneven.py).
-    epoch = f"{sampler.batches_per_epoch} micro-batches" if sampler else "uneven per-rank parts"
+    # `is not None`: a sampler resumed at an epoch's end has no batches left, so len() is 0.
+    batched = sampler is not None
+    epoch = f"{sampler.batches_per_epoch} micro-batches" if batched else "uneven per-rank parts"
     epochs = f"{cfg.epochs} epoch(s)"
-    if sampler and total_steps * cfg.grad_accum_steps < cfg.epochs * sampler.batches_per_epoch:
+    if batched and total_steps * cfg.grad_accum_steps < cfg.epochs * sampler.batches_per_epoch:
         # A --dry-run or --max-steps run stops early: say so rather than promise every epoch.
         epochs = f"max_steps={cfg.max_steps} ends it within {epochs}"
     return (

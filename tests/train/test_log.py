@@ -70,6 +70,7 @@ def test_summary_counts_only_the_samples_trained_since_start_or_resume(monkeypat
 
 
 def _banner(epochs, max_steps, total_steps, batches_per_epoch=235):
+    """describe_run's line for a ws=2 run whose sampler has no batches left in its epoch."""
     from types import SimpleNamespace as NS
 
     cfg = NS(
@@ -81,13 +82,16 @@ def _banner(epochs, max_steps, total_steps, batches_per_epoch=235):
         precision="fp32",
     )
     info = NS(launcher="spawn", world_size=2, backend="gloo", device="cpu")
-    sampler = NS(batches_per_epoch=batches_per_epoch)
+    # len() 0, like a sampler resumed at an epoch's end.
+    sampler = type(
+        "Sampler", (), {"batches_per_epoch": batches_per_epoch, "__len__": lambda s: 0}
+    )()
     model = NS(bucket_sizes_bytes=[2**20])
     return logs.describe_run(cfg, info, sampler, model, total_steps, None)
 
 
 def test_run_banner_says_when_max_steps_ends_the_run_early():
-    """The banner names max_steps when it stops a run before its epochs are done, not otherwise."""
+    """The banner names the epoch's batches (even with none left) and max_steps only if it cuts."""
     full = _banner(epochs=6, max_steps=None, total_steps=6 * 235)
     assert "1410 optimizer steps (6 epoch(s) of 235 micro-batches)" in full
     capped = _banner(epochs=5, max_steps=5, total_steps=5)
