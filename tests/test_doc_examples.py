@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from idx_files import write_split
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
 
@@ -81,3 +85,21 @@ def test_guide_spawn_example_returns_every_ranks_summary(tmp_path):
     assert summaries[0]["step"] == summaries[1]["step"] == 3 * math.ceil(1_800 / 64)
     assert summaries[0]["eval"] == summaries[1]["eval"]
     assert summaries[0]["eval"]["eval_accuracy"] > 0.5
+
+
+def test_guide_loads_a_recipe_checkpoint_without_ddptrain(tmp_path):
+    """The guide's snippet loads a recipe checkpoint into a plain LeNet built as it says."""
+    raw = tmp_path / "data" / "MNIST" / "raw"
+    write_split(raw, "train", 640, seed=1)
+    write_split(raw, "t10k", 101, seed=2)
+    recipe = [sys.executable, str(ROOT / "recipes" / "mnist.py"), "--data-dir", "data"]
+    _run([*recipe, "--dry-run", "--no-progress", "--checkpoint-dir", "ckpt"], tmp_path)
+    saved = sorted((tmp_path / "ckpt").glob("ckpt-*.pt"))  # zero-padded: the last is newest
+    assert saved, "the recipe saved no checkpoint"
+    snippet = _block("docs/guide.md", 'state["model"]')
+    snippet = re.sub(r'"ckpt/ckpt-\d+\.pt"', repr(str(saved[-1])), snippet)
+    scope: dict = {}
+    exec(snippet, scope)  # load_state_dict is strict: a missing or mis-shaped key raises
+    loaded = scope["model"].state_dict()
+    assert loaded.keys() == scope["state"]["model"].keys()
+    assert all(torch.equal(loaded[k], v) for k, v in scope["state"]["model"].items())
