@@ -34,6 +34,7 @@ from ddptrain.train.config import ConfigError
 DEBUG_ENV = "DDPTRAIN_DEBUG"
 USAGE_EXIT_CODE = 2
 USER_EXIT_CODE = 1
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stopped by Ctrl-C
 # A rank other than 0 waits this long before printing an error that it may have seen alone:
 # when rank 0 failed too, the launcher stops this process meanwhile. Generous, because a loaded
 # machine can take seconds to tear rank 0 down; it delays only a message no other rank prints.
@@ -126,7 +127,8 @@ def exit_code(e: BaseException) -> int:
 
 
 def run_main(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
-    """Run `main(argv)` under torchrun's `@record`; a user error prints one line and returns."""
+    """Run `main(argv)` under torchrun's `@record`; a user error or Ctrl-C prints one line and
+    returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
@@ -145,6 +147,13 @@ def run_main(main: Callable[[list[str]], int], argv: Sequence[str] | None = None
                 time.sleep(PEER_GRACE_S)
                 print(f"{format_error(e)} (rank {rank})", file=sys.stderr, flush=True)
             return exit_code(e)
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            # Ctrl-C reaches every rank of the terminal's job: one line for the job, from rank 0.
+            if _rank() == 0:
+                print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            return INTERRUPTED_EXIT_CODE
 
     return guarded()
 

@@ -85,6 +85,14 @@ def test_debug_shows_the_traceback(rank0, monkeypatch, switch):
         cli.run_main(_raising(IDXFormatError("label 12")), argv)
 
 
+def test_ctrl_c_is_one_line_and_status_130_unless_debugging(rank0, capsys):
+    """KeyboardInterrupt: `interrupted (Ctrl-C)` alone on stderr, status 130; --debug re-raises."""
+    assert cli.run_main(_raising(KeyboardInterrupt()), []) == 130
+    assert capsys.readouterr() == ("", "interrupted (Ctrl-C)\n")
+    with pytest.raises(KeyboardInterrupt):
+        cli.run_main(_raising(KeyboardInterrupt()), ["--debug"])
+
+
 @pytest.mark.parametrize("bug", [ZeroDivisionError("division by zero"), ValueError("bad shape")])
 def test_a_bug_keeps_its_traceback(rank0, capsys, bug):
     """Exceptions outside USER_ERRORS (a plain ValueError too) propagate untouched."""
