@@ -6,8 +6,9 @@
     python -m ddptrain.bench --recipe --recipe-args "--width 1 --global-batch-size 128"
 
 Same data (Fashion-MNIST from /usr/share/datasets/fashion-mnist, else synthetic images of its
-shape), same LeNet (BatchNorm, memory layout) and SGD settings (recipes/mnist.py's flags,
-defaults unless --recipe-args), same number of optimizer steps, one thread per rank:
+shape), same model (the recipe's build_model: LeNet with BatchNorm in channels_last by default,
+or --model mlp) and SGD settings (recipes/mnist.py's flags, defaults unless --recipe-args),
+same number of optimizer steps, one thread per rank (each rank reports its model's parameters):
 - ddptrain: the recipe's Trainer (recipes/mnist.py's MNISTTrainer) with no evaluation set, so
   its wall time is training only;
 - standard: the loop of pytorch/examples: torch's DistributedDataParallel, DistributedSampler,
@@ -29,6 +30,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -44,7 +46,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import ddptrain
 from ddptrain.bench.report import machine
 from ddptrain.data.idx import DEBIAN_FASHION_MNIST, IDXDataset, fashion_mnist
-from ddptrain.models import LeNet
 
 VARIANTS = ("ddptrain", "standard", "floor")
 RECIPE_PATH = Path(__file__).resolve().parents[2] / "recipes" / "mnist.py"
@@ -101,9 +102,14 @@ def _run_ddptrain(args: argparse.Namespace, recipe_args: argparse.Namespace, sol
         ddptrain.init_distributed(env={})
     else:
         batch = recipe_args.global_batch_size
-    counted = {"samples": 0}
+    counted = {"samples": 0, "parameters": 0}
 
     class BenchTrainer(recipe.MNISTTrainer):
+        def build_model(self):
+            model = super().build_model()
+            counted["parameters"] = sum(p.numel() for p in model.parameters())
+            return model
+
         def build_datasets(self):
             return _train_images(args.data, args.quick), None
 
@@ -127,7 +133,7 @@ def _run_ddptrain(args: argparse.Namespace, recipe_args: argparse.Namespace, sol
         loggers=("jsonl",),
     )
     summary = BenchTrainer(config, recipe_args).fit()
-    return {"samples": counted["samples"], "wall_s": summary["wall_s"]}
+    return {**counted, "wall_s": summary["wall_s"]}
 
 
 def _run_standard(args: argparse.Namespace, recipe_args: argparse.Namespace) -> dict:
@@ -140,11 +146,11 @@ def _run_standard(args: argparse.Namespace, recipe_args: argparse.Namespace) -> 
     loader = DataLoader(
         dataset, batch_size=recipe_args.global_batch_size // info.world_size, sampler=sampler
     )
-    # Local BatchNorm even for --sync-batchnorm: torch's SyncBatchNorm runs on CUDA only.
-    batchnorm = recipe_args.batchnorm or recipe_args.sync_batchnorm
-    module = LeNet(dropout=recipe_args.dropout, width=recipe_args.width, batchnorm=batchnorm)
-    if recipe_args.channels_last:
-        module = module.to(memory_format=torch.channels_last)
+    # The recipe's own build_model, so the two stacks train the same model whatever the flags
+    # (--model, --width, memory layout). Local BatchNorm even for --sync-batchnorm: the recipe
+    # converts later, in the Trainer, and torch's SyncBatchNorm runs on CUDA only.
+    recipe = _load_recipe()
+    module = recipe.MNISTTrainer(recipe.build_config(recipe_args), recipe_args).build_model()
     model = TorchDDP(module)
     optimizer = torch.optim.SGD(
         model.parameters(),
@@ -172,7 +178,9 @@ def _run_standard(args: argparse.Namespace, recipe_args: argparse.Namespace) -> 
             if step == args.steps:
                 break
         epoch += 1
-    return {"samples": samples, "wall_s": time.perf_counter() - start}
+    wall_s = time.perf_counter() - start
+    parameters = sum(p.numel() for p in module.parameters())
+    return {"samples": samples, "parameters": parameters, "wall_s": wall_s}
 
 
 def _worker(variant: str, args: argparse.Namespace) -> dict:
@@ -229,8 +237,19 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def chart_title(result: dict[str, Any]) -> str:
+    """What was run (model, data, world size, steps, the recipe flags given), then the ratios."""
+    s = result["settings"]
+    flags = " ".join(s.get("recipe_args") or [])
+    model = "MLP" if re.search(r"--model[= ]mlp\b", flags) else "LeNet"
+    run = f"{model}, {s['data']}, world size {s['world_size']}, {s['steps']} steps"
+    ratios = ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in result["ratios"].items())
+    return f"{run}{f' ({flags})' if flags else ''}\n{ratios}"
+
+
 def plot(result: dict[str, Any], path: Path) -> bool:
-    """Bar chart of samples/s with the ratios in the title; False when matplotlib is missing."""
+    """Bar chart of samples/s (median; a dot per repeat) with the ratios in the title; False when
+    matplotlib is missing."""
     try:
         import matplotlib
 
@@ -242,11 +261,17 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     rates = [result["variants"][v]["samples_per_s"] for v in names]
     fig, ax = plt.subplots(figsize=(6, 4))
     bars = ax.bar(names, rates, color=["tab:blue", "tab:orange", "tab:gray"][: len(names)])
-    ax.bar_label(bars, fmt="%.0f")
-    s = result["settings"]
+    ax.bar_label(bars, fmt="%.0f", label_type="center", color="white")
+    # Each repeat as a dot: the spread between repeats is what a ratio here must be read against.
+    for i, name in enumerate(names):
+        runs = result["variants"][name]["runs"]
+        label = "each repeat" if i == 0 and len(runs) > 1 else None
+        ax.scatter([i] * len(runs), runs, s=14, color="black", zorder=3, label=label)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="lower right")
+    ax.margins(y=0.08)
     ax.set_ylabel("training samples/s (higher is better)")
-    ratios = ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in result["ratios"].items())
-    ax.set_title(f"LeNet, {s['data']}, world size {s['world_size']}, {s['steps']} steps\n{ratios}")
+    ax.set_title(chart_title(result), fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

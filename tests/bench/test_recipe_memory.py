@@ -11,6 +11,11 @@ import json
 import pytest
 
 from ddptrain.bench import memory, recipe
+from ddptrain.bench.models import MLP
+from ddptrain.models import LeNet
+
+# The recipe's default model: LeNet width 2 with BatchNorm.
+LENET_RECIPE_PARAMETERS = sum(p.numel() for p in LeNet(width=2, batchnorm=True).parameters())
 
 
 def test_recipe_quick_run_reports_three_variants_and_their_ratios(tmp_path):
@@ -28,10 +33,20 @@ def test_recipe_quick_run_reports_three_variants_and_their_ratios(tmp_path):
         steps = saved["settings"]["steps"]
         batch = recipe._load_recipe().parse_args([]).global_batch_size // 2
         assert [r["samples"] for r in row["per_rank"][0]] == [steps * batch] * 2, name
+        assert [r["parameters"] for r in row["per_rank"][0]] == [LENET_RECIPE_PARAMETERS] * 2
     ratios = saved["ratios"]
     rate = {v: row["samples_per_s"] for v, row in rows.items()}
     assert ratios["ddptrain_vs_standard"] == pytest.approx(rate["ddptrain"] / rate["standard"])
     assert ratios["ddptrain_vs_floor"] == pytest.approx(rate["ddptrain"] / rate["floor"])
+
+
+def test_recipe_bench_trains_the_mlp_in_every_variant_when_asked(tmp_path):
+    """--recipe-args "--model mlp": the standard stack and the floor train the MLP too."""
+    args = ["--recipe", "--quick", "--out", str(tmp_path), "--no-plot", "--steps", "2"]
+    result = recipe.main([*args, "--recipe-args", "--model mlp"])
+    mlp = sum(p.numel() for p in MLP().parameters())
+    for name, row in result["variants"].items():
+        assert [r["parameters"] for r in row["per_rank"][0]] == [mlp] * 2, name
 
 
 def test_recipe_summary_counts_sync_worlds_by_slowest_rank_and_sums_the_floor():
@@ -65,6 +80,18 @@ def test_recipe_paired_ratio_is_the_median_of_each_repeats_ratio():
     assert result["ratios"]["ddptrain_vs_floor"] == pytest.approx(0.8)
     assert result["paired"]["ddptrain_vs_floor"] == pytest.approx(1.0)
     assert "paired" in recipe.format_table(result)
+
+
+def test_recipe_chart_title_names_the_model_and_the_flags_given():
+    """The chart says MLP for --model mlp and lists any recipe flags; none given, none shown."""
+    settings = {"data": "fashion-mnist", "world_size": 2, "steps": 235, "recipe_args": []}
+    result = {"settings": settings, "ratios": {"ddptrain_vs_floor": 0.987}}
+    assert recipe.chart_title(result) == (
+        "LeNet, fashion-mnist, world size 2, 235 steps\nddptrain vs floor 0.99"
+    )
+    settings["recipe_args"] = ["--model", "mlp", "--precision", "bf16"]
+    first = recipe.chart_title(result).splitlines()[0]
+    assert first == "MLP, fashion-mnist, world size 2, 235 steps (--model mlp --precision bf16)"
 
 
 def test_per_sample_dataset_matches_the_bulk_normalized_one():
