@@ -72,3 +72,19 @@ def test_summary_takes_the_slowest_rank_then_the_median():
     # The median over repetitions of the slowest rank: shm 0.6 and 0.4 ms -> 0.5; bound 0.4.
     assert ring["shm_vs_bound"] == pytest.approx(0.5 / 0.4)
     assert "ddptrain" in bench_report.format_table(result)
+
+
+def test_lenet_recipe_model_is_the_recipes_default_model_and_batch():
+    """--models lenet-recipe times what recipes/mnist.py builds by default, at its ws=2 batch."""
+    from ddptrain.bench.recipe import _load_recipe
+
+    mnist = _load_recipe()
+    flags = mnist.parse_args([])
+    expected = mnist.MNISTTrainer(mnist.build_config(flags), flags).build_model()
+    build, shape, batch, _ = MODELS["lenet-recipe"]
+    model = build()
+    assert repr(model) == repr(expected)
+    for (name, p), q in zip(model.named_parameters(), expected.parameters(), strict=True):
+        assert p.shape == q.shape and p.stride() == q.stride(), name  # channels_last alike
+    assert batch == flags.global_batch_size // 2
+    assert shape == (1, 28, 28)
