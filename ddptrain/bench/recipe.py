@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import ddptrain
 from ddptrain.bench.report import machine
+from ddptrain.cli import UsageError
 from ddptrain.data.idx import DEBIAN_FASHION_MNIST, IDXDataset, fashion_mnist
 
 VARIANTS = ("ddptrain", "standard", "floor")
@@ -303,20 +304,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="synthetic data, 6 steps: seconds")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--timeout-s", type=float, default=1800.0)
-    args = p.parse_args(argv)
+    args = p.parse_args(_glue_recipe_args(sys.argv[1:] if argv is None else argv))
     if args.data == "auto":
         args.data = "fashion-mnist" if DEBIAN_FASHION_MNIST.is_dir() else "synthetic"
     if args.quick:
         args.data, args.steps, args.epochs = "synthetic", 6, None
     args.recipe_args = shlex.split(args.recipe_args)
+    try:  # here, once, rather than as a traceback in every spawned rank
+        recipe_flags = _load_recipe().parse_args(args.recipe_args)
+    except UsageError as e:
+        # The recipe's parser names the running program (here the bench) in its hint.
+        problem = str(e).rsplit(" (see ", 1)[0]
+        p.error(f"--recipe-args: {problem} (see python recipes/mnist.py --help)")
     args.variants = [v for v in args.variants.split(",") if v]
     if unknown := [v for v in args.variants if v not in VARIANTS]:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     args.train_samples = QUICK_SAMPLES if args.quick else TRAIN_SAMPLES
     if args.steps is None:
-        batch = _load_recipe().parse_args(args.recipe_args).global_batch_size
+        batch = recipe_flags.global_batch_size
         args.steps = (args.epochs or 1) * math.ceil(args.train_samples / batch)
     return args
+
+
+def _glue_recipe_args(argv: list[str]) -> list[str]:
+    """`--recipe-args --sync-batchnorm` as `--recipe-args=--sync-batchnorm`: argparse would take
+    a lone value that starts with `--` for an option and say the flag has no argument."""
+    glued = list(argv)
+    for i, arg in enumerate(glued[:-1]):
+        if arg == "--recipe-args":
+            glued[i : i + 2] = [f"--recipe-args={glued[i + 1]}"]
+            break
+    return glued
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -49,6 +49,18 @@ def test_recipe_bench_trains_the_mlp_in_every_variant_when_asked(tmp_path):
         assert [r["parameters"] for r in row["per_rank"][0]] == [mlp] * 2, name
 
 
+def test_recipe_args_take_a_lone_flag_and_bad_ones_fail_in_the_parent(capsys):
+    """`--recipe-args --sync-batchnorm` parses; a misspelt recipe flag is one usage error (2)."""
+    args = recipe.parse_args(["--recipe", "--quick", "--recipe-args", "--sync-batchnorm"])
+    assert args.recipe_args == ["--sync-batchnorm"]
+    with pytest.raises(SystemExit) as exited:
+        recipe.parse_args(["--recipe", "--quick", "--recipe-args", "--widht 3"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--recipe-args: unrecognized arguments: --widht 3" in err
+    assert "Traceback" not in err
+
+
 def test_recipe_summary_counts_sync_worlds_by_slowest_rank_and_sums_the_floor():
     """Synchronous variants: all samples / slowest wall time; floor: the sum of each rate."""
     run = {
