@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import math
 import os
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ddptrain.train.config import TrainerConfig
 from idx_files import write_split
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,3 +106,14 @@ def test_guide_loads_a_recipe_checkpoint_without_ddptrain(tmp_path):
     loaded = scope["model"].state_dict()
     assert loaded.keys() == scope["state"]["model"].keys()
     assert all(torch.equal(loaded[k], v) for k, v in scope["state"]["model"].items())
+
+
+def test_guide_config_table_lists_every_field_with_its_default():
+    """docs/guide.md's TrainerConfig table: one row per field, in order, showing the default."""
+    text = (ROOT / "docs" / "guide.md").read_text()
+    table = text.split("| field | default | meaning |", 1)[1].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.MULTILINE)
+    fields = dataclasses.fields(TrainerConfig)
+    assert [name for name, _ in rows] == [f.name for f in fields]
+    for (name, shown), field in zip(rows, fields, strict=True):
+        assert ast.literal_eval(shown) == field.default, name
