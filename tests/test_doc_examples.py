@@ -1,4 +1,4 @@
-"""The README's and the guide's example programs run as written and do what their text says."""
+"""The README's and the guide's examples run as written; the guide's tables match the code."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
+from ddptrain.bench.recipe import _load_recipe
 from ddptrain.train.config import TrainerConfig
 from idx_files import write_split
 
@@ -117,3 +119,16 @@ def test_guide_config_table_lists_every_field_with_its_default():
     assert [name for name, _ in rows] == [f.name for f in fields]
     for (name, shown), field in zip(rows, fields, strict=True):
         assert ast.literal_eval(shown) == field.default, name
+
+
+def test_guide_recipe_flag_table_names_every_flag_of_the_recipe(capsys):
+    """Every flag `recipes/mnist.py --help` lists has a row in the guide's flag table, and back."""
+    with pytest.raises(SystemExit):
+        _load_recipe().parse_args(["--help"])
+    options = capsys.readouterr().out.split("\noptions:\n", 1)[1]  # after the usage text
+    offered = set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", options)) - {"--help"}
+    text = (ROOT / "docs" / "guide.md").read_text()
+    table = text[text.index("| `--dataset`") :].split("\n\n", 1)[0]
+    rows = re.findall(r"^\| (.*?) \|", table, flags=re.MULTILINE)
+    documented = {flag for row in rows for flag in re.findall(r"`(--[\w-]+)`", row)}
+    assert offered == documented
