@@ -132,3 +132,18 @@ def test_guide_recipe_flag_table_names_every_flag_of_the_recipe(capsys):
     rows = re.findall(r"^\| (.*?) \|", table, flags=re.MULTILINE)
     documented = {flag for row in rows for flag in re.findall(r"`(--[\w-]+)`", row)}
     assert offered == documented
+
+
+def test_design_module_map_names_every_module():
+    """docs/design.md's map of ddptrain/ names each module file and no other (plot/ as a whole)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    tree = text.split("```\nddptrain/\n", 1)[1].split("```", 1)[0]
+    named = set(re.findall(r"^ *(\w+\.py) ", tree, flags=re.MULTILINE))
+    package = ROOT / "ddptrain"
+    modules = {
+        p.name
+        for p in package.rglob("*.py")
+        if not p.name.startswith("_") and p.parent.name != "plot"
+    }
+    assert modules - named == set(), "add these to the map in docs/design.md"
+    assert named - modules - {"__init__.py"} == set(), "these are gone: take them off the map"
