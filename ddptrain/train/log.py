@@ -201,7 +201,10 @@ def describe_run(
     batched = sampler is not None
     epoch = f"{sampler.batches_per_epoch} micro-batches" if batched else "uneven per-rank parts"
     epochs = f"{cfg.epochs} epoch(s)"
-    if batched and total_steps * cfg.grad_accum_steps < cfg.epochs * sampler.batches_per_epoch:
+    by_epochs = (
+        cfg.epochs * math.ceil(sampler.batches_per_epoch / cfg.grad_accum_steps) if batched else 0
+    )
+    if total_steps < by_epochs:
         # A --dry-run or --max-steps run stops early: say so rather than promise every epoch.
         epochs = f"max_steps={cfg.max_steps} ends it within {epochs}"
     return (

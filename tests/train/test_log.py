@@ -69,14 +69,14 @@ def test_summary_counts_only_the_samples_trained_since_start_or_resume(monkeypat
     assert summary["train_loss"] == 0.5 and summary["eval"] == {"eval_accuracy": 0.9}
 
 
-def _banner(epochs, max_steps, total_steps, batches_per_epoch=235):
+def _banner(epochs, max_steps, total_steps, batches_per_epoch=235, accum=1):
     """describe_run's line for a ws=2 run whose sampler has no batches left in its epoch."""
     from types import SimpleNamespace as NS
 
     cfg = NS(
         epochs=epochs,
         max_steps=max_steps,
-        grad_accum_steps=1,
+        grad_accum_steps=accum,
         micro_global_batch_size=256,
         global_batch_size=256,
         precision="fp32",
@@ -100,3 +100,6 @@ def test_run_banner_says_when_max_steps_ends_the_run_early():
     )
     exact = _banner(epochs=2, max_steps=470, total_steps=470)
     assert "max_steps" not in exact
+    # 5 micro-batches in steps of 2: 3 steps an epoch, the last one short.
+    accumulated = _banner(epochs=2, max_steps=None, total_steps=6, batches_per_epoch=5, accum=2)
+    assert "6 optimizer steps (2 epoch(s) of 5 micro-batches)" in accumulated
