@@ -7,10 +7,11 @@
 
     results = ddptrain.spawn(train, 2, 0.1, timeout_s=120)   # [loss of rank 0, loss of rank 1]
 
-`fn` must be importable by the fresh processes (defined in a .py module, not a notebook cell),
-as with any multiprocessing "spawn" start. On Linux the workers are forked from a forkserver
-that has imported torch once (Python 3.14's default start method), so a world starts in a tenth
-of a second instead of a fresh torch import (2-3 s) per rank; each worker still gets the
+`fn` must be importable by the fresh processes (defined in a .py module, not a notebook cell,
+which is refused up front), as with any multiprocessing "spawn" start. On Linux the workers
+are forked from a forkserver that has imported torch once (Python 3.14's default start method),
+so a world starts in a tenth of a second instead of a fresh torch import (2-3 s) per rank; each
+worker still gets the
 caller's current environment variables. Each worker gets RANK/LOCAL_RANK/WORLD_SIZE and a
 private `file://` rendezvous (no port to race for), so `init_distributed()` inside it joins the
 group. A worker's exception is re-raised here with its rank and traceback; on any failure or
@@ -25,6 +26,7 @@ import pickle
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -65,6 +67,7 @@ def spawn(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    _check_importable(fn)
     ctx = _context(start_method)
     results: Any = ctx.Queue()
     rendezvous_dir = tempfile.mkdtemp(prefix="ddptrain-spawn-")
@@ -97,6 +100,22 @@ def spawn(
             p.join(timeout=10)
         results.close()
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
+
+
+def _check_importable(fn: Callable[..., Any]) -> None:
+    """Refuse, before any worker starts, a function the fresh workers cannot import: one
+    defined in a notebook cell or the REPL (a `__main__` that has no file to re-run)."""
+    if getattr(fn, "__module__", None) != "__main__":
+        return
+    main_file = getattr(sys.modules["__main__"], "__file__", None)
+    if main_file and os.path.isfile(main_file):
+        return  # a script: each worker re-runs it (under its own name) to find fn
+    name = getattr(fn, "__qualname__", repr(fn))
+    raise ValueError(
+        f"spawn({name}, ...): {name} is defined in an interactive session (a notebook cell or "
+        "the REPL), which the worker processes cannot import; define it in a .py module next "
+        "to the notebook and import it from there"
+    )
 
 
 def _context(start_method: str | None) -> Any:

@@ -223,3 +223,24 @@ def test_spawn_refuses_an_unknown_start_method():
     """start_method other than forkserver/spawn is a ValueError naming the choices."""
     with pytest.raises(ValueError, match="'forkserver' or 'spawn'"):
         ddptrain.spawn(_run_report_process, 1, start_method="fork")
+
+
+def test_spawn_refuses_a_function_from_an_interactive_session(monkeypatch):
+    """A notebook cell's function (module __main__, no file) is refused before any worker starts;
+    one from a script's __main__ (a file workers re-run) or a module is accepted."""
+    import sys
+
+    def cell_function() -> None:
+        pass
+
+    cell_function.__module__ = "__main__"
+    main = sys.modules["__main__"]
+    monkeypatch.delattr(main, "__file__", raising=False)
+    started = []
+    monkeypatch.setattr(ddptrain.launch, "_context", lambda method: started.append(method))
+    with pytest.raises(ValueError, match="cell_function is defined in an interactive session"):
+        ddptrain.spawn(cell_function, 2)
+    assert started == []
+    monkeypatch.setattr(main, "__file__", __file__, raising=False)
+    ddptrain.launch._check_importable(cell_function)  # a script: accepted
+    ddptrain.launch._check_importable(_run_sleep)  # a module's function: accepted
