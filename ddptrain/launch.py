@@ -11,11 +11,10 @@
 which is refused up front), as with any multiprocessing "spawn" start. On Linux the workers
 are forked from a forkserver that has imported torch once (Python 3.14's default start method),
 so a world starts in a tenth of a second instead of a fresh torch import (2-3 s) per rank; each
-worker still gets the
-caller's current environment variables. Each worker gets RANK/LOCAL_RANK/WORLD_SIZE and a
-private `file://` rendezvous (no port to race for), so `init_distributed()` inside it joins the
-group. A worker's exception is re-raised here with its rank and traceback; on any failure or
-timeout every other worker is killed.
+worker still gets the caller's current environment variables. Each worker gets
+RANK/LOCAL_RANK/WORLD_SIZE and a private `file://` rendezvous (no port to race for), so
+`init_distributed()` inside it joins the group. A worker's exception is re-raised here with
+its rank and traceback; on any failure or timeout every other worker is killed.
 """
 
 from __future__ import annotations
