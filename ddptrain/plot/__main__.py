@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
             timeline.draw_timeline(timeline.load_spans(args.paths), out, title=args.title)
         else:
             out = args.out or "curves.png"
-            curves.draw_curves([curves.load_run(path) for path in args.paths], out)
+            curves.draw_curves([run for path in args.paths for run in curves.load_runs(path)], out)
     except (curves.NoMetricsError, MissingMatplotlib, OSError, ValueError) as e:
         print(f"ddptrain.plot: {e}", file=sys.stderr)
         return 2

@@ -1,10 +1,11 @@
 """Training curves from metrics.jsonl: loss, eval metrics, lr, throughput vs step and wall time.
 
-    runs = [load_run("runs/ws1"), load_run("runs/ws2")]    # raises NoMetricsError if empty
-    draw_curves(runs, "curves.png")                        # needs matplotlib
+    runs = [*load_runs("runs/ws1"), *load_runs("runs/ws2")]  # NoMetricsError if empty
+    draw_curves(runs, "curves.png")                          # needs matplotlib
 
-load_run reads one run directory; extract_series and run_label are pure (records in, series
-or text out) and are what the tests check; draw_curves only draws.
+load_runs reads one run directory (several runs when it was reused without resuming);
+split_runs, extract_series and run_label are pure (records in, runs, series or text out) and
+are what the tests check; draw_curves only draws.
 """
 
 from __future__ import annotations
@@ -126,11 +127,30 @@ def panel_names(runs: list[Run]) -> list[str]:
     return [name for name in order if name in present]
 
 
-def load_run(run_dir: str | os.PathLike) -> Run:
-    """Read a run directory into a Run (NoMetricsError if it has no metrics)."""
-    records = read_records(run_dir)
+def split_runs(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The records of each run a metrics.jsonl holds, in order, runs without metrics left out.
+
+    A start record at step 0 begins a fresh run (the same log_dir reused without resuming); a
+    resumed run's start record carries the step it resumed at and continues the run before it.
+    """
+    runs: list[list[dict[str, Any]]] = []
+    for record in records:
+        if not runs or (record.get("event") == "start" and record.get("step") == 0):
+            runs.append([])
+        runs[-1].append(record)
+    return [run for run in runs if any("step" in r and "event" not in r for r in run)]
+
+
+def load_runs(run_dir: str | os.PathLike) -> list[Run]:
+    """Read a run directory into one Run per run its metrics.jsonl holds (`name #k` when it
+    holds several); NoMetricsError if it has no metrics."""
+    parts = split_runs(read_records(run_dir))
     name = Path(run_dir).resolve().name
-    return Run(Path(run_dir), run_label(records, name), extract_series(records))
+    names = [name] if len(parts) == 1 else [f"{name} #{k}" for k in range(1, len(parts) + 1)]
+    return [
+        Run(Path(run_dir), run_label(part, label), extract_series(part))
+        for label, part in zip(names, parts, strict=True)
+    ]
 
 
 def draw_curves(runs: list[Run], out: str | os.PathLike) -> None:
@@ -145,7 +165,9 @@ def draw_curves(runs: list[Run], out: str | os.PathLike) -> None:
                 s = run.series.get(name)
                 if s is None:
                     continue
-                style = "o-" if name.startswith("eval_") else "-"
+                # Markers where points are few (evals; a run that logged once): a lone point
+                # drawn as a line is invisible.
+                style = "o-" if name.startswith("eval_") or len(s.values) < 3 else "-"
                 color = f"C{i}"
                 if col == 0:
                     ax.plot(s.steps, s.values, style, color=color, label=run.label, ms=3)

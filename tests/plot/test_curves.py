@@ -75,5 +75,23 @@ def test_cli_draws_overlaid_runs(tmp_path):
     out = tmp_path / "curves.png"
     assert main([str(a), str(b), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    runs = [curves.load_run(a), curves.load_run(b)]
+    runs = [*curves.load_runs(a), *curves.load_runs(b)]
     assert curves.panel_names(runs) == ["loss", "lr", "samples_per_s", "comm_share"]
+
+
+def test_a_log_dir_reused_without_resuming_draws_each_run_apart(tmp_path):
+    """Fresh starts (step 0) split a file into runs `name #1`, `name #2`; a resume does not."""
+    resumed = {**START, "step": 10}
+    records = [
+        START, _train(10, 2.0, 1.0),
+        resumed, _train(20, 1.0, 0.5),  # the same run, resumed
+        START, _train(10, 3.0, 1.2),  # a fresh run in the same directory
+        START,  # one more that stopped before its first record
+    ]  # fmt: skip
+    assert [len(run) for run in curves.split_runs(records)] == [4, 2]
+    runs = curves.load_runs(_write_run(tmp_path / "dup", records))
+    assert [run.label.split(" (")[0] for run in runs] == ["dup #1", "dup #2"]
+    assert runs[0].series["loss"].steps == [10, 20] and runs[0].series["loss"].times == [1.0, 1.5]
+    assert runs[1].series["loss"].values == [3.0]
+    single = curves.load_runs(_write_run(tmp_path / "one", records[:4]))
+    assert [run.label for run in single] == ["one (ws=2, bf16, hook=default)"]

@@ -79,7 +79,7 @@ def test_every_record_has_time_and_training_records_the_split(observed_run):
 def test_curves_read_the_trainer_log(observed_run):
     """The plot reader finds loss, eval metrics and the run's legend in a real log."""
     log_dir, _ = observed_run
-    run = curves.load_run(log_dir)
+    [run] = curves.load_runs(log_dir)
     assert run.label.endswith("(ws=2, fp32, hook=default)")
     assert run.series["loss"].steps == [2, 4, 6]
     assert run.series["eval_accuracy"].steps == [3, 6]
