@@ -102,8 +102,12 @@ def optimizer(cfg: TrainerConfig, value: Any) -> tuple[torch.optim.Optimizer, An
     return opt, scheduler
 
 
+def epoch_steps(cfg: TrainerConfig, sampler: ShardedSampler) -> int:
+    """Optimizer steps in cfg.epochs epochs of the sampler (an epoch's last step may be short)."""
+    return math.ceil(sampler.batches_per_epoch / cfg.grad_accum_steps) * cfg.epochs
+
+
 def total_steps(cfg: TrainerConfig, sampler: ShardedSampler) -> int:
     """Optimizer steps in the run: epochs of the sampler, capped by max_steps."""
-    per_epoch = math.ceil(sampler.batches_per_epoch / cfg.grad_accum_steps)
-    by_epochs = per_epoch * cfg.epochs
+    by_epochs = epoch_steps(cfg, sampler)
     return min(by_epochs, cfg.max_steps) if cfg.max_steps is not None else by_epochs

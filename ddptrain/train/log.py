@@ -191,20 +191,24 @@ class Progress:
 
 
 def describe_run(
-    cfg: Any, info: Any, sampler: Any, model: Any, total_steps: int, resumed_at: int | None
+    cfg: Any,
+    info: Any,
+    sampler: Any,
+    model: Any,
+    total_steps: int,
+    resumed_at: int | None,
+    epoch_steps: int | None = None,
 ) -> str:
-    """The one-line summary of a run that fit() prints before its first step."""
+    """The one-line summary of a run that fit() prints before its first step; `epoch_steps`:
+    the optimizer steps its epochs make (build.epoch_steps), to tell when max_steps cuts in."""
     buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
     per_rank = cfg.micro_global_batch_size // info.world_size
     # No sampler: each rank reads its own part of an IterableDataset (train/uneven.py).
     # `is not None`: a sampler resumed at an epoch's end has no batches left, so len() is 0.
-    batched = sampler is not None
-    epoch = f"{sampler.batches_per_epoch} micro-batches" if batched else "uneven per-rank parts"
+    batches = sampler.batches_per_epoch if sampler is not None else None
+    epoch = f"{batches} micro-batches" if batches is not None else "uneven per-rank parts"
     epochs = f"{cfg.epochs} epoch(s)"
-    by_epochs = (
-        cfg.epochs * math.ceil(sampler.batches_per_epoch / cfg.grad_accum_steps) if batched else 0
-    )
-    if total_steps < by_epochs:
+    if epoch_steps is not None and total_steps < epoch_steps:
         # A --dry-run or --max-steps run stops early: say so rather than promise every epoch.
         epochs = f"max_steps={cfg.max_steps} ends it within {epochs}"
     return (

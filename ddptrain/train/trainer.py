@@ -361,8 +361,9 @@ class Trainer:
 
     def _announce(self, resumed: bool) -> None:
         resumed_at = self.step if resumed else None
-        info, sampler, model = self.info, self.sampler, self.model
-        print0(describe_run(self.config, info, sampler, model, self.total_steps, resumed_at))
+        cfg, info, sampler, model = self.config, self.info, self.sampler, self.model
+        by_epochs = build.epoch_steps(cfg, sampler) if sampler is not None else None
+        print0(describe_run(cfg, info, sampler, model, self.total_steps, resumed_at, by_epochs))
 
     def _open_logs(self, resumed: bool) -> None:
         cfg, info = self.config, self.info

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from ddptrain.train import build
 from ddptrain.train import log as logs
 
 RECORDS = [
@@ -87,7 +88,8 @@ def _banner(epochs, max_steps, total_steps, batches_per_epoch=235, accum=1):
         "Sampler", (), {"batches_per_epoch": batches_per_epoch, "__len__": lambda s: 0}
     )()
     model = NS(bucket_sizes_bytes=[2**20])
-    return logs.describe_run(cfg, info, sampler, model, total_steps, None)
+    by_epochs = build.epoch_steps(cfg, sampler)
+    return logs.describe_run(cfg, info, sampler, model, total_steps, None, by_epochs)
 
 
 def test_run_banner_says_when_max_steps_ends_the_run_early():
