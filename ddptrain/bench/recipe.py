@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -56,8 +56,10 @@ TRAIN_SAMPLES, QUICK_SAMPLES, MEAN, STD = 60_000, 4096, 0.2860, 0.3530
 LOG_INTERVAL = 10
 
 
+@functools.cache
 def _load_recipe() -> Any:
-    """recipes/mnist.py as a module: the bench follows the recipe's model, data and flags."""
+    """recipes/mnist.py as a module, once per process: the bench follows the recipe's model,
+    data and flags."""
     if not RECIPE_PATH.is_file():
         raise FileNotFoundError(f"{RECIPE_PATH} not found: run the recipe bench from a checkout")
     spec = importlib.util.spec_from_file_location("ddptrain_recipe_mnist", RECIPE_PATH)
@@ -242,7 +244,7 @@ def chart_title(result: dict[str, Any]) -> str:
     """What was run (model, data, world size, steps, the recipe flags given), then the ratios."""
     s = result["settings"]
     flags = " ".join(s.get("recipe_args") or [])
-    model = "MLP" if re.search(r"--model[= ]mlp\b", flags) else "LeNet"
+    model = {"lenet": "LeNet", "mlp": "MLP"}[s.get("model", "lenet")]  # older JSON: LeNet only
     run = f"{model}, {s['data']}, world size {s['world_size']}, {s['steps']} steps"
     ratios = ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in result["ratios"].items())
     return f"{run}{f' ({flags})' if flags else ''}\n{ratios}"
@@ -316,6 +318,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # The recipe's parser names the running program (here the bench) in its hint.
         problem = str(e).rsplit(" (see ", 1)[0]
         p.error(f"--recipe-args: {problem} (see python recipes/mnist.py --help)")
+    args.model = recipe_flags.model
     args.variants = [v for v in args.variants.split(",") if v]
     if unknown := [v for v in args.variants if v not in VARIANTS]:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
@@ -354,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "data": args.data,
         "train_samples": args.train_samples,
         "recipe_args": args.recipe_args,
+        "model": args.model,
         "repeats": args.repeats,
         "threads_per_rank": 1,
         "machine": machine(),

@@ -45,6 +45,7 @@ def test_recipe_bench_trains_the_mlp_in_every_variant_when_asked(tmp_path):
     args = ["--recipe", "--quick", "--out", str(tmp_path), "--no-plot", "--steps", "2"]
     result = recipe.main([*args, "--recipe-args", "--model mlp"])
     mlp = sum(p.numel() for p in MLP().parameters())
+    assert result["settings"]["model"] == "mlp"
     for name, row in result["variants"].items():
         assert [r["parameters"] for r in row["per_rank"][0]] == [mlp] * 2, name
 
@@ -101,7 +102,7 @@ def test_recipe_chart_title_names_the_model_and_the_flags_given():
     assert recipe.chart_title(result) == (
         "LeNet, fashion-mnist, world size 2, 235 steps\nddptrain vs floor 0.99"
     )
-    settings["recipe_args"] = ["--model", "mlp", "--precision", "bf16"]
+    settings.update(model="mlp", recipe_args=["--model", "mlp", "--precision", "bf16"])
     first = recipe.chart_title(result).splitlines()[0]
     assert first == "MLP, fashion-mnist, world size 2, 235 steps (--model mlp --precision bf16)"
 
