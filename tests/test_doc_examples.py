@@ -6,7 +6,6 @@ import ast
 import dataclasses
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_env import child_env
 
 from ddptrain.bench.recipe import _load_recipe
 from ddptrain.train.config import TrainerConfig
@@ -34,10 +34,9 @@ def _block(doc: str, containing: str) -> str:
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = subprocess.run(
+        args, cwd=cwd, env=child_env(), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     assert done.returncode == 0, f"{args} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return done
 

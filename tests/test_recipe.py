@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 
 from idx_files import MNIST_ROOT, closed_port_url, serve_folder, write_split
 
@@ -25,10 +25,9 @@ def data_dir(tmp_path) -> Path:
 
 
 def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        args, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=240
+    )
 
 
 def _torchrun(nproc: int) -> list[str]:

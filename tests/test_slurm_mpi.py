@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import spawned_refs
 import torch
+from child_env import LAUNCHER_VARS
 
 import ddptrain
 from idx_files import write_split
@@ -40,7 +41,6 @@ TIMEOUT_S = 240
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scancel")
 _LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_")
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -48,7 +48,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)
+        if k not in LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)
     }
     env.pop("DDPTRAIN_INIT_METHOD", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

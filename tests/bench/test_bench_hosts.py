@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_env import child_env
 
 from ddptrain.bench import hosts as bench_hosts
 from ddptrain.bench import placement
@@ -27,10 +28,7 @@ ALL_VARIANTS = list(bench.BASE_VARIANTS) + [f"ddptrain_{e}" for e in bench.EXTRA
 
 def _clean_env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
+    return child_env(PYTHONPATH=path)
 
 
 def _one_host_transport() -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from child_env import child_env
 
 JOB = Path(__file__).resolve().parents[1] / "fault_job.py"
 # A missed detection waits for the collective timeout (TrainerConfig.timeout_s, 300 s); a caught
@@ -129,15 +130,10 @@ def _torchrun(args: list[str], tmp_path: Path, restarts: int) -> subprocess.Comp
         str(JOB),
         *args,
     ]
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    }
     return subprocess.run(
         cmd,
         cwd=tmp_path,
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=300,
