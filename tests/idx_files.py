@@ -21,11 +21,15 @@ def idx_bytes(tensor: torch.Tensor) -> bytes:
     return header + tensor.to(torch.uint8).contiguous().numpy().tobytes()
 
 
-def write_split(folder: Path, prefix: str, n: int, gz: bool = True, seed: int = 0) -> None:
-    """Write a small synthetic MNIST-format split (n images of 28x28, labels 0-9)."""
+def write_split(
+    folder: Path, prefix: str, n: int, gz: bool = True, seed: int = 0, first_labels: tuple = ()
+) -> None:
+    """Write a small synthetic MNIST-format split (n images of 28x28, labels 0-9 cycling, after
+    `first_labels` if given)."""
     g = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 256, (n, 28, 28), generator=g, dtype=torch.uint8)
     labels = torch.arange(n, dtype=torch.uint8) % 10
+    labels[: len(first_labels)] = torch.tensor(first_labels, dtype=torch.uint8)
     folder.mkdir(parents=True, exist_ok=True)
     for stem, tensor in [
         (f"{prefix}-images-idx3-ubyte", images),

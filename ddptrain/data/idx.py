@@ -50,6 +50,9 @@ class _Spec:
     mirrors: tuple[str, ...]
     md5: dict[str, str] = field(default_factory=dict)
     fallback_dirs: tuple[Path, ...] = ()
+    # The first labels of the (train, test) splits: MNIST and Fashion-MNIST share file names,
+    # so a folder holding the other one's files is told apart by these, not by its name.
+    first_labels: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
 
 
 _MNIST = _Spec(
@@ -63,6 +66,7 @@ _MNIST = _Spec(
         "t10k-images-idx3-ubyte.gz": "9fb629c4189551a2d022fa330f9573f3",
         "t10k-labels-idx1-ubyte.gz": "ec29112dd5afa0611ce80d1b7f02629c",
     },
+    first_labels=((5, 0, 4, 1, 9, 2, 1, 3, 1, 4), (7, 2, 1, 0, 4, 1, 4, 9, 5, 9)),
 )
 _FASHION_MNIST = _Spec(
     "FashionMNIST",
@@ -76,7 +80,9 @@ _FASHION_MNIST = _Spec(
         "t10k-labels-idx1-ubyte.gz": "bb300cfdad3c16e7a12a480ee83cd310",
     },
     fallback_dirs=(DEBIAN_FASHION_MNIST,),
+    first_labels=((9, 0, 0, 3, 0, 2, 7, 2, 5, 5), (9, 2, 1, 1, 6, 1, 4, 6, 5, 7)),
 )
+_SPECS = (_MNIST, _FASHION_MNIST)
 
 
 def read_idx(path: str | os.PathLike, *, magic: int | None = None) -> torch.Tensor:
@@ -265,30 +271,66 @@ def _find_split_files(
     spec: _Spec, root: str | os.PathLike | None, train: bool
 ) -> tuple[Path, Path] | None:
     """The split's (images, labels) paths in the first folder holding both, else None."""
+    return _scan(spec, root, train)[0]
+
+
+def _scan(
+    spec: _Spec, root: str | os.PathLike | None, train: bool
+) -> tuple[tuple[Path, Path] | None, list[str]]:
+    """(The split's paths or None, the folders passed over because they hold another dataset)."""
+    passed_over = []
     for folder in _search_dirs(spec, root):
         found = []
         for stem in _split_files(train):
             # The uncompressed file first: torchvision leaves both, and it skips the gunzip.
             candidates = [folder / stem, folder / f"{stem}.gz"]
             found.append(next((p for p in candidates if p.is_file()), None))
-        if all(found):
-            return found[0], found[1]
+        if not all(found):
+            continue
+        other = _other_dataset(spec, found[1], train)
+        if other is None:
+            return (found[0], found[1]), passed_over
+        passed_over.append(f"{folder} holds {other}'s {'train' if train else 'test'} split")
+    return None, passed_over
+
+
+def _other_dataset(spec: _Spec, labels_path: Path, train: bool) -> str | None:
+    """The name of the known dataset other than `spec` whose labels these are, else None."""
+    first = _first_labels(labels_path)
+    for other in _SPECS:
+        known = other.first_labels[0 if train else 1]
+        if other.name != spec.name and known and first == known:
+            return other.name
     return None
 
 
+def _first_labels(path: Path, n: int = 10) -> tuple[int, ...]:
+    """The first `n` labels of an IDX labels file (empty if unreadable: read_idx reports it)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(2)
+        opener = gzip.open if head == _GZIP_MAGIC else open
+        with opener(path, "rb") as f:
+            data = f.read(8 + n)
+    except (OSError, EOFError, zlib.error):
+        return ()
+    return tuple(data[8:])
+
+
 def _load(spec, root, train, download, normalize, transform) -> IDXDataset:
-    paths = _find_split_files(spec, root, train)
+    paths, passed_over = _scan(spec, root, train)
     if paths is None and download:
         if root is None:
             raise ValueError(f"{spec.name}: download=True needs a root folder to download into")
-        _fetch(spec, Path(root), train)
-        paths = _find_split_files(spec, root, train)
+        _fetch(spec, Path(root).expanduser(), train)
+        paths, passed_over = _scan(spec, root, train)
     if paths is None:
         names = " and ".join(f"{s}.gz" for s in _split_files(train))
         searched = ", ".join(str(d) for d in _search_dirs(spec, root)) or "(no root given)"
+        skipped = "".join(f" (passed over: {note})" for note in passed_over)
         raise FileNotFoundError(
-            f"{spec.name} {'train' if train else 'test'} split not found; looked in {searched}. "
-            f"Put {names} in <root>/{spec.name}/raw/ (or any folder passed as root), "
+            f"{spec.name} {'train' if train else 'test'} split not found; looked in {searched}"
+            f"{skipped}. Put {names} in <root>/{spec.name}/raw/ (or any folder passed as root), "
             "or pass download=True"
         )
     stats = {"mean": spec.mean, "std": spec.std} if normalize else {}

@@ -3,6 +3,7 @@
 import dataclasses
 import gzip
 import hashlib
+import shutil
 import sys
 import urllib.error
 import urllib.request
@@ -196,6 +197,68 @@ def test_download_true_fetches_then_loads_the_split(tmp_path, monkeypatch):
     ds = mnist(tmp_path / "root", download=True)
     assert len(ds) == 40
     assert sorted(p.name for p in (tmp_path / "root/MNIST/raw").iterdir()) == sorted(md5)
+
+
+def test_download_true_expands_a_tilde_in_root(tmp_path, monkeypatch):
+    """mnist("~/data", download=True) fetches into $HOME/data, not into a folder named "~"."""
+    monkeypatch.setitem(sys.modules, "torchvision", None)
+    server = tmp_path / "server"
+    write_split(server, "t10k", 20)
+    md5 = {p.name: _md5(p) for p in server.iterdir()}
+    spec = dataclasses.replace(ddptrain.data.idx._MNIST, mirrors=(server.as_uri() + "/",), md5=md5)
+    monkeypatch.setattr(ddptrain.data.idx, "_MNIST", spec)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert len(mnist("~/data", train=False, download=True)) == 20
+    assert (tmp_path / "home/data/MNIST/raw/t10k-labels-idx1-ubyte.gz").is_file()
+    assert list((tmp_path / "cwd").iterdir()) == []
+
+
+# The first ten labels of each real split, as ddptrain.data.idx tells the two datasets apart.
+MNIST_FIRST = {"train": (5, 0, 4, 1, 9, 2, 1, 3, 1, 4), "t10k": (7, 2, 1, 0, 4, 1, 4, 9, 5, 9)}
+FASHION_FIRST = {"train": (9, 0, 0, 3, 0, 2, 7, 2, 5, 5), "t10k": (9, 2, 1, 1, 6, 1, 4, 6, 5, 7)}
+
+
+@pytest.mark.parametrize("prefix", ["train", "t10k"])
+@pytest.mark.parametrize("wanted", ["mnist", "fashion"])
+def test_a_folder_holding_the_other_dataset_is_passed_over(tmp_path, monkeypatch, prefix, wanted):
+    """The two datasets share file names: a root holding the other one's split is skipped for
+    the right one further down the search, and named when the right one is nowhere."""
+    load, other_first, own_first = {
+        "mnist": (mnist, FASHION_FIRST, MNIST_FIRST),
+        "fashion": (fashion_mnist, MNIST_FIRST, FASHION_FIRST),
+    }[wanted]
+    own = tmp_path / "own"
+    write_split(own, prefix, 30, first_labels=own_first[prefix])
+    spec_name = "_MNIST" if wanted == "mnist" else "_FASHION_MNIST"
+    spec = getattr(ddptrain.data.idx, spec_name)
+    monkeypatch.setattr(
+        ddptrain.data.idx, spec_name, dataclasses.replace(spec, fallback_dirs=(own,))
+    )
+    write_split(tmp_path / "root", prefix, 20, first_labels=other_first[prefix])
+    train = prefix == "train"
+    ds = load(tmp_path / "root", train=train)
+    assert len(ds) == 30 and ds.paths[1].parent == own
+
+    shutil.rmtree(own)
+    with pytest.raises(FileNotFoundError) as info:
+        load(tmp_path / "root", train=train)
+    other_name = "FashionMNIST" if wanted == "mnist" else "MNIST"
+    split = "train" if train else "test"
+    assert f"passed over: {tmp_path / 'root'} holds {other_name}'s {split} split" in str(info.value)
+
+
+@needs_mnist
+@needs_debian_fashion
+def test_fashion_mnist_never_takes_mnists_files_from_the_data_dir(tmp_path):
+    """Real MNIST test files in the data dir: fashion_mnist() still loads Fashion-MNIST's split."""
+    for name in ["t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]:
+        shutil.copy(MNIST_ROOT / "MNIST/raw" / name, tmp_path)
+    assert mnist(tmp_path, train=False).targets[:10].tolist() == list(MNIST_FIRST["t10k"])
+    ds = fashion_mnist(tmp_path, train=False)
+    assert ds.targets[:10].tolist() == list(FASHION_FIRST["t10k"])
+    assert ds.paths[1].parent == DEBIAN_FASHION_MNIST
 
 
 @needs_debian_fashion
