@@ -13,12 +13,14 @@ mean_loss, samples_per_s, split = window.report(steps)   # at a log step (a coll
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +147,15 @@ class LossWindow:
         """Add one optimizer step's summed local loss and its global sample count."""
         self.loss += loss
         self.samples += samples
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave the time inside out of samples per second (evaluation, saving: not training)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - began
 
     def report(self, steps: int) -> tuple[float, float, dict[str, float]]:
         """Return (mean loss over ranks and `steps`, samples per second, time split averaged over

@@ -301,14 +301,16 @@ class Trainer:
 
     def _maybe_evaluate(self, eval_set: Dataset | None, epoch_done: bool) -> None:
         if _due(self.step, self.config.eval_every_steps, epoch_done):
-            self._progress.metrics = self._evaluate_and_log(eval_set)
+            with self._progress.window.paused():
+                self._progress.metrics = self._evaluate_and_log(eval_set)
             self._progress.evaluated_at = self.step
 
     def _maybe_save(self, epoch_done: bool) -> None:
         if self.config.checkpoint_dir and _due(
             self.step, self.config.checkpoint_every_steps, epoch_done
         ):
-            self._save()
+            with self._progress.window.paused():
+                self._save()
 
     def _finish(self, eval_set: Dataset | None) -> None:
         """Evaluate and save the last step unless the loop just did. A resumed run re-evaluates

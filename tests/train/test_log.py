@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from ddptrain.train import build
 from ddptrain.train import log as logs
@@ -68,6 +69,20 @@ def test_summary_counts_only_the_samples_trained_since_start_or_resume(monkeypat
     assert summary["wall_s"] == 4.0
     assert (summary["step"], summary["epoch"], summary["world_size"]) == (30, 2, 2)
     assert summary["train_loss"] == 0.5 and summary["eval"] == {"eval_accuracy": 0.9}
+
+
+def test_window_samples_per_s_leaves_out_evaluation_and_saving(monkeypatch):
+    """LossWindow.report: time spent inside paused() (evaluation, a save) is not training time."""
+    clock = iter([0.0, 2.0, 10.0, 12.0, 12.0])
+    monkeypatch.setattr(logs.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(logs.dist, "get_world_size", lambda: 1)
+    window = logs.LossWindow(torch.device("cpu"))
+    window.add(torch.tensor(3.0), samples=100)
+    with window.paused():
+        pass
+    loss, samples_per_s, _ = window.report(steps=2)
+    assert loss == 1.5
+    assert samples_per_s == 100 / (12.0 - 8.0)
 
 
 def _banner(epochs, max_steps, total_steps, batches_per_epoch=235, accum=1):
