@@ -45,6 +45,10 @@ class MetricsLog:
         self.path = Path(directory) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if not _ends_a_line(self.path):
+            # A run killed mid-write left half a record: end it, or ours would be glued onto it
+            # and both lost to a reader (plot skips the one bad line and keeps the rest).
+            self._file.write("\n")
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record."""
@@ -54,6 +58,16 @@ class MetricsLog:
     def close(self) -> None:
         """Close the file."""
         self._file.close()
+
+
+def _ends_a_line(path: Path) -> bool:
+    """Whether the file is empty or its last byte is a newline."""
+    with path.open("rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 class TensorBoardLog:

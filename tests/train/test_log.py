@@ -35,6 +35,17 @@ def test_tensorboard_event_file_holds_the_records_scalars(tmp_path):
     assert [e.step for e in events.Scalars("time_s")] == [5, 10]
 
 
+def test_a_half_written_last_line_is_ended_before_the_next_run_appends(tmp_path):
+    """A metrics.jsonl left mid-record by a killed run: the next run's records stay whole lines."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(RECORDS[0]) + "\n" + '{"step": 5, "lo')
+    log = logs.MetricsLog(tmp_path)
+    log.write(RECORDS[1])
+    log.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[1] == '{"step": 5, "lo'
+    assert [json.loads(line) for line in (lines[0], lines[2])] == RECORDS[:2]
+
+
 def test_missing_tensorboard_says_how_to_install(tmp_path, monkeypatch):
     """Without the package, opening the log raises one line naming the pip command."""
     monkeypatch.setattr(logs.importlib.util, "find_spec", lambda name: None)
