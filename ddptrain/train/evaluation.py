@@ -42,7 +42,11 @@ def evaluate(
     """Exact `eval_<key>` = global sum / global sample count for each key `step` returns."""
     was_training = module.training
     module.eval()
-    loader = batch_loader(dataset, EvalSampler(len(dataset)), batch_size)
+    # Its own generator: iter(loader) draws a seed, which must not come from the global RNG
+    # that training's dropout uses (evaluating would change the masks, and exact resume).
+    loader = batch_loader(
+        dataset, EvalSampler(len(dataset)), batch_size, generator=torch.Generator()
+    )
     sums: dict[str, torch.Tensor] = {}
     count = 0
     try:

@@ -307,6 +307,7 @@ def _case_evaluate(info, root: str) -> dict:
     x, y = torch.randn(10, 8, generator=g), torch.randint(0, 3, (10,), generator=g)
     out = {}
     for n in (10, 2):  # 10 over 3 ranks: 4+3+3; 2 over 3 ranks: rank 2's shard is empty
+        rng_before = torch.get_rng_state()
         got = evaluate(
             module,
             TensorDataset(x[:n], y[:n]),
@@ -314,16 +315,23 @@ def _case_evaluate(info, root: str) -> dict:
             batch_size=2,
             device=torch.device("cpu"),
         )
+        rng_kept = torch.equal(rng_before, torch.get_rng_state())
         with torch.no_grad():
             one = _validation_step(module, (x[:n], y[:n]))
-        out[n] = {"got": got, "one": {f"eval_{k}": v.item() / n for k, v in one.items()}}
+        out[n] = {
+            "got": got,
+            "one": {f"eval_{k}": v.item() / n for k, v in one.items()},
+            "rng_kept": rng_kept,
+        }
     return out
 
 
 def test_evaluate_equals_one_process_on_the_whole_set(world):
-    """evaluate() at 3 ranks equals one process on the whole set, also with an empty shard."""
+    """evaluate() at 3 ranks equals one process on the whole set, also with an empty shard, and
+    leaves the global RNG alone (training's dropout masks must not depend on evaluating)."""
     for r in worlds.outcome(world[1], "evaluate"):
         for n, d in r.items():
+            assert d["rng_kept"], "evaluate() drew from the global torch RNG"
             assert d["got"]["eval_samples"] == n
             assert d["got"]["eval_accuracy"] == d["one"]["eval_accuracy"]
             # Per-batch float32 sums vs one float32 sum over the set: a few ulps apart.
