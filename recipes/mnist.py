@@ -228,7 +228,7 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         log_every_steps=5 if args.dry_run else 50,
         eval_every_steps=args.eval_every_steps,
         progress_bar=False if args.no_progress else None,
-        best_metric="eval_accuracy",
+        best_metric="eval_accuracy" if args.checkpoint_dir else None,
         profile_steps=args.profile_steps,
         loggers=("jsonl", "tensorboard") if args.tensorboard else ("jsonl",),
     )

@@ -53,18 +53,26 @@ class _ToyTrainer(Trainer):
     """An 8 -> hidden -> 3 classifier on random data; knobs to make each input bad."""
 
     def __init__(
-        self, config: TrainerConfig, *, n_train: int = 24, hidden: int = 32, scalar: bool = True
+        self,
+        config: TrainerConfig,
+        *,
+        n_train: int = 24,
+        hidden: int = 32,
+        scalar: bool = True,
+        eval_set: bool = False,
     ) -> None:
         super().__init__(config)
         self.n_train, self.hidden, self.scalar = n_train, hidden, scalar
+        self.eval_set = eval_set
 
     def build_model(self) -> nn.Module:
         return nn.Sequential(nn.Linear(8, self.hidden), nn.ReLU(), nn.Linear(self.hidden, 3))
 
-    def build_datasets(self) -> tuple[TensorDataset, None]:
+    def build_datasets(self) -> tuple[TensorDataset, TensorDataset | None]:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(self.n_train, 8, generator=g)
-        return TensorDataset(x, torch.randint(0, 3, (self.n_train,), generator=g)), None
+        train_set = TensorDataset(x, torch.randint(0, 3, (self.n_train,), generator=g))
+        return train_set, (train_set if self.eval_set else None)
 
     def configure_optimizers(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.1)
@@ -72,6 +80,10 @@ class _ToyTrainer(Trainer):
     def training_step(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(model(x), y, reduction="mean" if self.scalar else "none")
+
+    def validation_step(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> dict:
+        x, y = batch
+        return {"accuracy": (model(x).argmax(1) == y).sum()}
 
 
 def _config(**overrides: object) -> TrainerConfig:
@@ -182,6 +194,18 @@ def _empty_dataset(case_dir: Path) -> None:
 
 def _loss_not_scalar(case_dir: Path) -> None:
     _fit({"scalar": False})
+
+
+def _best_metric_without_checkpoint_dir(case_dir: Path) -> None:
+    _config(best_metric="eval_accuracy")
+
+
+def _best_metric_without_eval_set(case_dir: Path) -> None:
+    _fit(best_metric="eval_accuracy", checkpoint_dir=str(case_dir / "ckpt"))
+
+
+def _best_metric_unknown(case_dir: Path) -> None:
+    _fit({"eval_set": True}, best_metric="accuracy", checkpoint_dir=str(case_dir / "ckpt"))
 
 
 def _resume_missing(case_dir: Path) -> None:
@@ -333,6 +357,25 @@ CASES: dict[str, Case] = {
         _read_mnist,
         _write_label_12,
         spawned=False,
+    ),
+    "best-metric-without-checkpoint-dir": Case(
+        ValueError,
+        "best_metric='eval_accuracy' marks the best checkpoint in checkpoint_dir; set "
+        "checkpoint_dir too",
+        _best_metric_without_checkpoint_dir,
+        spawned=False,
+    ),
+    "best-metric-without-eval-set": Case(
+        ValueError,
+        "best_metric='eval_accuracy' needs an evaluation, but build_datasets() returned no eval "
+        "set; return (train_set, eval_set), or set best_metric=None",
+        _best_metric_without_eval_set,
+    ),
+    "best-metric-unknown": Case(
+        ValueError,
+        "best_metric='accuracy' is not among the evaluation's metrics ['eval_accuracy', "
+        "'eval_samples']; use best_metric='eval_accuracy'",
+        _best_metric_unknown,
     ),
     "ckpt-missing": Case(
         ckpt.CheckpointError,

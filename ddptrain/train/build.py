@@ -30,7 +30,13 @@ from ddptrain.train.config import ConfigError, TrainerConfig
 def check_datasets(
     cfg: TrainerConfig, train_set: Dataset, eval_set: Dataset | None
 ) -> tuple[Dataset, Dataset | None]:
-    """Refuse an empty training set or a global batch larger than it (sized datasets only)."""
+    """Refuse an empty training set or a global batch larger than it (sized datasets only),
+    and a best_metric with nothing to evaluate."""
+    if cfg.best_metric is not None and eval_set is None:
+        raise ConfigError(
+            f"best_metric={cfg.best_metric!r} needs an evaluation, but build_datasets() "
+            "returned no eval set; return (train_set, eval_set), or set best_metric=None"
+        )
     if uneven.is_uneven(train_set):
         return train_set, eval_set
     if len(train_set) == 0:

@@ -121,7 +121,24 @@ class TrainerConfig:
             )
         if self.resume == "auto" and not self.checkpoint_dir:
             raise ConfigError("resume='auto' looks in checkpoint_dir; set checkpoint_dir too")
+        if self.best_metric is not None and not self.checkpoint_dir:
+            raise ConfigError(
+                f"best_metric={self.best_metric!r} marks the best checkpoint in checkpoint_dir; "
+                "set checkpoint_dir too"
+            )
         self._check_observability()
+
+    def check_best_metric(self, metrics: dict[str, float]) -> None:
+        """Refuse a best_metric the evaluation does not produce: keep_last would otherwise
+        delete the best checkpoint, never having known which it was."""
+        if self.best_metric is None or self.best_metric in metrics:
+            return
+        guess = f"eval_{self.best_metric}"
+        hint = f"best_metric={guess!r}" if guess in metrics else "one of them"
+        raise ConfigError(
+            f"best_metric={self.best_metric!r} is not among the evaluation's metrics "
+            f"{sorted(metrics)}; use {hint}"
+        )
 
     def _check_observability(self) -> None:
         unknown = [name for name in self.loggers if name not in LOGGERS]

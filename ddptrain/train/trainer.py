@@ -336,6 +336,7 @@ class Trainer:
             device=self.info.device,
             autocast=self._autocast,
         )
+        self.config.check_best_metric(metrics)
         if metrics:
             print0(f"step {self.step} epoch {self.epoch}: {format_metrics(metrics)}")
             if self._log:
