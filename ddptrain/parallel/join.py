@@ -21,6 +21,13 @@ gradients through the wrapper's comm hook (so shared-memory barriers, ring messa
 match) and the one-time bucket rebuild. Under `no_sync()` the others reduce nothing, so
 neither does it. When the vector is all zeros every rank is done; the model is broadcast
 from the highest rank among the last to finish, since ranks that joined early skipped steps.
+
+Gradient accumulation with a short last round: a rank whose data ends mid-round reaches its
+synchronizing backward while others are still under `no_sync()`. Reducing alone would pair
+collectives wrongly, so a backward reduces only when no rank still training accumulates; the
+rank that asked to reduce early is deferred (`join.deferred` becomes True; skip its optimizer
+step and stop) and, once joined, contributes its accumulated gradients to the others' next
+reduction instead of zeros.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ _ACTIVE = 1
 _REDUCES_GRADIENTS = 2  # grad enabled and not under no_sync(): its backward launches buckets
 _BACKWARD = 4  # grad enabled: a backward follows (SyncBatchNorm reduces in it, even in no_sync)
 _TRAINING = 8  # the module is in training mode: SyncBatchNorm gathers statistics in forward
+_PENDING = 16  # joined, holding gradients deferred from a round the others have not finished
 
 
 class EarlyTerminationError(RuntimeError):
@@ -92,6 +100,9 @@ class Join:
         # Every rank takes part in every exchange, so all see the same sequence of vectors.
         self._last_states: list[int] | None = None
         self.authoritative_rank: int | None = None
+        # This rank's reduction was put off to the others' next one (module docstring).
+        self.deferred = False
+        self._sync_before_deferral = True
 
     def __enter__(self) -> Join:
         if self.enable:
@@ -110,6 +121,8 @@ class Join:
         if not self.enable:
             return
         self.ddp._join = None
+        if self.deferred:
+            self.ddp._sync = self._sync_before_deferral
         if exc_type is not None:
             return
         self._shadow_until_all_done()
@@ -118,6 +131,14 @@ class Join:
     def on_forward(self) -> tuple[int, int]:
         """Called by the wrapper as a forward starts: (buffer source rank, gradient divisor)."""
         ddp = self.ddp
+        if self.deferred:
+            raise RuntimeError(
+                "a forward after this rank's reduction was deferred under model.join(): it "
+                "ended its gradient accumulation while other ranks were still accumulating "
+                "under no_sync(), which is only allowed for a rank whose data has run out. "
+                "Every rank must synchronize after the same number of micro-batches until "
+                "its data ends"
+            )
         flags = _ACTIVE
         if torch.is_grad_enabled():
             flags |= _BACKWARD | (_REDUCES_GRADIENTS if ddp._sync else 0)
@@ -125,17 +146,24 @@ class Join:
             flags |= _TRAINING
         states = self._exchange(flags)
         self._maybe_throw(states)
-        active = [r for r, s in enumerate(states) if s]
-        divisor = self.world_size if self.divide_by_initial_world_size else len(active)
+        if flags & _REDUCES_GRADIENTS and not _reduces(states):
+            self.deferred, self._sync_before_deferral = True, ddp._sync
+            ddp._sync = False
         # Rank 0 may have joined with stale buffers: take them from a rank still training.
-        return active[-1], divisor
+        return _active(states)[-1], self._divisor(states)
+
+    def _divisor(self, states: list[int]) -> int:
+        """Ranks whose gradients a reduction now sums: still training, or deferred."""
+        if self.divide_by_initial_world_size:
+            return self.world_size
+        return sum(1 for s in states if s)
 
     def _exchange(self, flags: int) -> list[int]:
         states = torch.zeros(self.world_size, dtype=torch.int64, device=self._device)
         states[self.rank] = flags
         dist.all_reduce(states, group=self.group)
         result = states.tolist()
-        if any(result):
+        if _active(result):
             self._last_states = result
         return result
 
@@ -150,14 +178,18 @@ class Join:
 
     def _shadow_until_all_done(self) -> None:
         ddp = self.ddp
-        # Whatever this rank accumulated under no_sync() is dropped: a joined rank adds zeros.
-        ddp._step = StepState(len(ddp._params), ddp._bucket_lens, self.world_size)
+        pending = self.deferred
+        if not pending:
+            # Whatever this rank accumulated under no_sync() is dropped: it adds zeros.
+            ddp._step = StepState(len(ddp._params), ddp._bucket_lens, self.world_size)
         while True:
-            states = self._exchange(0)
-            if not any(states):
+            states = self._exchange(_PENDING if pending else 0)
+            active = _active(states)
+            # No rank still training: nothing more will reduce (a deferred rank's gradients
+            # only wait for a rank that is still accumulating, which always ends reducing).
+            if not active:
                 return
             self._maybe_throw(states)
-            active = [r for r, s in enumerate(states) if s]
             if ddp.broadcast_buffers and self.world_size > 1 and ddp._model_buffers:
                 ddp._model_buffers.sync(active[-1])
             if self._sync_bns and any(s & _TRAINING for s in states):
@@ -166,13 +198,20 @@ class Join:
                 if any(s & _BACKWARD for s in states):
                     for layer in reversed(self._sync_bns):
                         sync_batchnorm.shadow_backward(layer)
-            if any(s & _REDUCES_GRADIENTS for s in states):
+            if not _reduces(states):
+                continue
+            if pending:
+                # The deferred round's accumulated gradients, in place of zeros.
+                ddp._step.divisor = self._divisor(states)
+                ddp._finalize_buckets()
+                pending = False
+            else:
                 _shadow_backward(ddp)
 
     def _sync_final_model(self) -> None:
         last = self._last_states
         # No forward ran anywhere: every rank finished "last", as torch breaks ties (highest).
-        src = self.world_size - 1 if last is None else max(r for r, s in enumerate(last) if s)
+        src = self.world_size - 1 if last is None else _active(last)[-1]
         self.authoritative_rank = src
         ddp = self.ddp
         tensors = [p.detach() for _, p in ddp._named_params]
@@ -180,6 +219,19 @@ class Join:
             tensors += ddp._model_buffers.tensors
         with torch.no_grad():
             broadcast_coalesced(coalesce(tensors), self.group, src)
+
+
+def _active(states: list[int]) -> list[int]:
+    """The ranks still training in an exchanged vector."""
+    return [r for r, s in enumerate(states) if s & _ACTIVE]
+
+
+def _reduces(states: list[int]) -> bool:
+    """Whether this forward's backward reduces gradients: some rank asks to, and no rank still
+    training accumulates under no_sync() (that one reduces later, with the deferred ones)."""
+    asks = any(s & _REDUCES_GRADIENTS for s in states)
+    accumulates = any(s & _BACKWARD and not s & _REDUCES_GRADIENTS for s in states)
+    return asks and not accumulates
 
 
 def _check_sync_bn_groups(ddp: DistributedDataParallel, layers: list) -> None:

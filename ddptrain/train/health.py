@@ -196,6 +196,12 @@ def on_nonfinite_gradients(
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, bool(torch.isfinite(local_loss)))
     bad = [rank for rank, finite in enumerate(flags) if not finite]
+    report_nonfinite(step, bad, policy=policy, checkpoint_dir=checkpoint_dir)
+
+
+def report_nonfinite(step: int, bad: list[int], *, policy: str, checkpoint_dir: str | None) -> None:
+    """Warn (policy "skip") or raise NonFiniteError ("stop") for a step whose averaged
+    gradients were not finite; `bad` are the ranks whose own loss was not."""
     where = f"non-finite local loss on rank(s) {bad}" if bad else "losses finite everywhere"
     if policy == "skip":
         print0(f"warning: step {step} skipped: non-finite gradients ({where})")

@@ -207,7 +207,12 @@ class Trainer:
             times.add("comm_s", comm)
         mark = time.perf_counter()
         with profiling.mark("ddptrain.optimizer"):
-            stepped = self._optimizer_step(total)
+            stepped = self._optimizer_step()
+        if not stepped:
+            cfg = self.config
+            health.on_nonfinite_gradients(
+                total, step=self.step + 1, policy=cfg.nonfinite, checkpoint_dir=cfg.checkpoint_dir
+            )
         now = time.perf_counter()
         times.add("optim_s", now - mark)
         times.add("step_s", now - began)
@@ -236,8 +241,9 @@ class Trainer:
             self.sampler.mark_consumed(1)
         return scaled.detach().float()
 
-    def _optimizer_step(self, local_loss: torch.Tensor) -> bool:
-        """Clip (or measure) the gradient norm and step; return False if the step was skipped."""
+    def _optimizer_step(self) -> bool:
+        """Clip (or measure) the gradient norm and step; return False, having dropped the
+        gradients and changed nothing, if they are not finite (the caller applies the policy)."""
         scaler, optimizer = self.scaler, self.optimizer
         if scaler is not None:
             scaler.unscale_(optimizer)
@@ -253,13 +259,6 @@ class Trainer:
             return True
         # Gradients are already averaged, so every rank reaches the same verdict here.
         if not torch.isfinite(norm):
-            cfg = self.config
-            health.on_nonfinite_gradients(
-                local_loss,
-                step=self.step + 1,
-                policy=cfg.nonfinite,
-                checkpoint_dir=cfg.checkpoint_dir,
-            )
             optimizer.zero_grad(set_to_none=True)
             return False
         optimizer.step()

@@ -12,10 +12,11 @@ grad_accum_steps per micro-batch) and a rank whose part runs out first keeps ans
 others' collectives until the epoch ends everywhere. `len(dataset)`, when defined, is this
 rank's sample count and gives the step count up front (for schedules); without it, set
 `max_steps`. Everything collective besides the training step (loss logging, evaluation,
-replica checks, checkpoints) waits for the epoch's end, when ranks meet again; then the
-optimizer, scheduler and scaler states of the rank that finished last are sent to the others,
-which skipped its last steps. Evaluation and checkpoints happen at every epoch's end
-(eval_every_steps and checkpoint_every_steps do not apply: ranks only meet there).
+replica checks, checkpoints, naming the ranks of a non-finite step) waits for the epoch's end,
+when ranks meet again; then the optimizer, scheduler and scaler states of the rank that
+finished last are sent to the others, which skipped its last steps. Evaluation and
+checkpoints happen at every epoch's end (eval_every_steps and checkpoint_every_steps do not
+apply: ranks only meet there).
 """
 
 from __future__ import annotations
@@ -98,15 +99,28 @@ def train(trainer: Trainer, loader: DataLoader, eval_set: Dataset | None) -> Non
         start = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64)
         steps = 0
+        # Non-finite steps are reported when ranks meet: a rank that ran out cannot answer
+        # the gather that names the ranks whose loss was not finite.
+        nonfinite = {"skipped": [], "bad_loss": []}
         batches = iter(loader)
         with trainer.model.join() as join:
             while trainer.step + steps < trainer.total_steps:
                 chunk = list(itertools.islice(batches, cfg.grad_accum_steps))
                 if not chunk:
                     break
-                loss_sum += _train_step(trainer, chunk)
+                loss, outcome = _train_step(trainer, chunk, join)
+                loss_sum += loss
                 steps += 1
+                if not math.isfinite(loss):
+                    nonfinite["bad_loss"].append(trainer.step + steps)
+                if outcome == "deferred":
+                    break  # this rank's data ended mid-round: its gradients went to the others
+                if outcome == "nonfinite":
+                    nonfinite["skipped"].append(trainer.step + steps)
+                    if cfg.nonfinite == "stop":
+                        break  # every rank still training sees the same averaged gradients
         _adopt_optimizer_state(trainer, join.authoritative_rank)
+        _report_nonfinite(trainer, nonfinite)
         # Ranks counted their own steps; the epoch took as many as the longest part.
         counts = torch.tensor([steps, 0], dtype=torch.float64)
         counts[1] = loss_sum
@@ -124,16 +138,32 @@ def train(trainer: Trainer, loader: DataLoader, eval_set: Dataset | None) -> Non
             trainer._save()
 
 
-def _train_step(trainer: Trainer, chunk: list[Any]) -> float:
-    """One optimizer step on this rank's micro-batches; returns the summed local loss."""
+def _train_step(trainer: Trainer, chunk: list[Any], join: Any) -> tuple[float, str]:
+    """One optimizer step on this rank's micro-batches: (summed local loss, "stepped",
+    "nonfinite" (skipped, nothing changed) or "deferred" (see parallel/join.py))."""
     trainer.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=trainer.info.device)
     for m, batch in enumerate(chunk):
         batch = move_to(batch, trainer.info.device)
         total += trainer._micro_step(batch, len(chunk), sync=m == len(chunk) - 1)
-    if trainer._optimizer_step(total) and trainer.scheduler is not None:
+    if join.deferred:
+        return float(total), "deferred"
+    if not trainer._optimizer_step():
+        return float(total), "nonfinite"
+    if trainer.scheduler is not None:
         trainer.scheduler.step()
-    return float(total)
+    return float(total), "stepped"
+
+
+def _report_nonfinite(trainer: Trainer, mine: dict[str, list[int]]) -> None:
+    """Warn about (policy "skip") or stop at (policy "stop") the epoch's non-finite steps."""
+    cfg = trainer.config
+    everyone = [None] * trainer.info.world_size
+    dist.all_gather_object(everyone, mine)
+    skipped = sorted({step for d in everyone for step in d["skipped"]})
+    for step in skipped:
+        bad = [rank for rank, d in enumerate(everyone) if step in d["bad_loss"]]
+        health.report_nonfinite(step, bad, policy=cfg.nonfinite, checkpoint_dir=cfg.checkpoint_dir)
 
 
 def _adopt_optimizer_state(trainer: Trainer, src: int) -> None:

@@ -6,7 +6,9 @@ World size 1 runs inside the world of 2, each rank alone in its own process grou
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import nullcontext
+from functools import partial
 
 import pytest
 import torch
@@ -69,6 +71,22 @@ SBN_CASES = [
     ("0/4", [0, 4], "allreduce", False),
     ("5/2 ring", [5, 2], "ring", True),
 ]
+# Gradient accumulation in rounds of up to `round` micro-batches, each rank's last round cut
+# short by its data: (name, batches per rank, round, divide_by_initial_world_size, ranks whose
+# reduction is deferred because another rank is still accumulating when theirs ends). Official
+# DDP has no counterpart (its ranks mismatch collectives there); the oracle is one process
+# summing each rank's round mean: float32 sums in another order, 1e-6 (as SBN_ATOL).
+ROUND_CASES = {
+    2: [
+        ("3/8 round 2", [3, 8], 2, True, [0]),
+        ("5/8 round 3", [5, 8], 3, False, [0]),
+        ("7/4 round 2", [7, 4], 2, True, []),
+    ],
+    3: [
+        ("5/3/8 round 2", [5, 3, 8], 2, True, [0, 1]),
+        ("4/5/6 round 3", [4, 5, 6], 3, False, [0, 1]),
+    ],
+}
 # Cast hooks have no official counterpart (torch's bf16 hook narrows before dividing), so their
 # oracle is this wrapper with the same hook where the short rank, instead of joining, keeps
 # stepping with zero gradients: a joined rank must be indistinguishable from that.
@@ -189,6 +207,8 @@ def _run_world(world_size: int) -> dict:
         for name, batches, hook_name, divide in SBN_CASES:
             out[("sbn", name)] = _sbn_case(info.rank, batches, hook_name, divide, sbn_group)
         out["sbn_same_group"] = _sbn_same_group_error()
+    for name, batches, round_len, divide, _ in ROUND_CASES[world_size]:
+        out[("rounds", name)] = _rounds_case(info.rank, batches, round_len, divide)
     out["throw"] = _throw_case(info.rank, world_size)
     out["disabled"] = _disabled_case(info.rank)
     return out
@@ -210,6 +230,45 @@ def _sbn_case(rank: int, batches: list[int], hook_name: str, divide: bool, group
         opt.step()
         opt.zero_grad()
     return {"max_diff": (_state(ours.module) - _state(single)).abs().max().item()}
+
+
+def _rounds_case(rank: int, batches: list[int], round_len: int, divide: bool) -> dict:
+    torch.manual_seed(7)
+    base = _Net(batchnorm=False)
+    ours = _ours(base, "default")
+    opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    join = ours.join(divide_by_initial_world_size=divide)
+    deferred = False
+    with join:
+        for start in range(0, batches[rank], round_len):
+            size = min(round_len, batches[rank] - start)
+            for i in range(start, start + size):
+                x, y = _batch(rank, i)
+                with nullcontext() if i == start + size - 1 else ours.no_sync():
+                    (F.cross_entropy(ours(x), y) / size).backward()
+            if join.deferred:
+                deferred = True  # its gradients went to the others' reduction: no step here
+                break
+            opt.step()
+            opt.zero_grad()
+    single = copy.deepcopy(base)
+    opt = torch.optim.SGD(single.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    rounds = [math.ceil(n / round_len) for n in batches]
+    for k in range(max(rounds)):
+        contributing = [r for r, count in enumerate(rounds) if k < count]
+        loss = torch.zeros(())
+        for r in contributing:
+            indices = range(k * round_len, min((k + 1) * round_len, batches[r]))
+            losses = [F.cross_entropy(single(x), y) for x, y in map(partial(_batch, r), indices)]
+            loss = loss + sum(losses) / len(indices)
+        (loss / (len(batches) if divide else len(contributing))).backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        "max_diff": (_state(ours.module) - _state(single)).abs().max().item(),
+        "deferred": deferred,
+        "state": _state(ours.module),
+    }
 
 
 def _sbn_same_group_error() -> str | None:
@@ -318,6 +377,20 @@ def test_sync_batchnorm_under_join_equals_one_process_on_active_batches(world):
         assert max(diffs) <= SBN_ATOL, (name, diffs)
     for r in results:
         assert "give SyncBatchNorm its own group" in (r["sbn_same_group"] or ""), r
+
+
+def test_a_round_cut_short_while_others_accumulate_is_deferred_not_mismatched(world):
+    """Accumulation rounds that end early on a rank out of data: no hang, equal to one process
+    summing every rank's round mean, deferred exactly where another rank still accumulates."""
+    world_size, results = world
+    for name, _, _, _, deferred in ROUND_CASES[world_size]:
+        diffs = [r[("rounds", name)]["max_diff"] for r in results]
+        print(f"ws={world_size} rounds {name}: max|diff|={max(diffs):.3g}")
+        assert max(diffs) <= SBN_ATOL, (name, diffs)
+        seen = [rank for rank, r in enumerate(results) if r[("rounds", name)]["deferred"]]
+        assert seen == deferred, name
+        for r in results[1:]:
+            assert torch.equal(r[("rounds", name)]["state"], results[0][("rounds", name)]["state"])
 
 
 def test_throw_on_early_termination_raises_on_every_rank(world):

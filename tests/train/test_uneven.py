@@ -39,9 +39,13 @@ class _RankPart(IterableDataset):
 
 
 class _UnevenTrainer(ToyTrainer):
-    def __init__(self, config: TrainerConfig, batchnorm: bool = False) -> None:
+    def __init__(
+        self, config: TrainerConfig, batchnorm: bool = False, nan_last: bool = False
+    ) -> None:
         super().__init__(config)
         self.batchnorm = batchnorm
+        # A NaN input as the longest part's last sample: met after the other ranks ran out.
+        self.nan_last = nan_last
 
     def build_model(self):
         if not self.batchnorm:
@@ -50,11 +54,14 @@ class _UnevenTrainer(ToyTrainer):
 
     def build_datasets(self):
         train_set, eval_set = super().build_datasets()
-        return _RankPart(*train_set.tensors), eval_set
+        x, y = (t.clone() for t in train_set.tensors)
+        if self.nan_last:
+            x[sum(_part_len(r) for r in range(dist.get_world_size())) - 1] = float("nan")
+        return _RankPart(x, y), eval_set
 
 
-def _fit(config: TrainerConfig, batchnorm: bool = False) -> dict:
-    trainer = _UnevenTrainer(config, batchnorm)
+def _fit(config: TrainerConfig, batchnorm: bool = False, nan_last: bool = False) -> dict:
+    trainer = _UnevenTrainer(config, batchnorm, nan_last)
     summary = trainer.fit()
     momentum = [s["momentum_buffer"] for s in trainer.optimizer.state.values()]
     return {
@@ -107,6 +114,38 @@ def test_uneven_parts_train_to_the_end_on_every_rank(tmp_path, world_size):
     losses = [r["loss"] for r in records if "loss" in r]
     print("epoch losses:", losses)
     assert len(losses) == 3 and losses[-1] < 0.8 * losses[0], losses
+
+
+def _run_late_rounds(config: TrainerConfig) -> dict:
+    ddptrain.init_distributed()
+    # 6 samples per rank and micro-batch, rounds of 2: the 16-sample part ends mid-round
+    # (micro-batches of 6, 6, 4) while the 24-sample part still accumulates its second round.
+    accum = _fit(replace(config, global_batch_size=24, grad_accum_steps=2))
+    skipped = _fit(replace(config, nonfinite="skip"), nan_last=True)
+    try:
+        _fit(replace(config, nonfinite="stop"), nan_last=True)
+        stopped = None
+    except ddptrain.NonFiniteError as e:
+        stopped = str(e)
+    return {"accum": accum, "skipped": skipped, "stopped": stopped}
+
+
+def test_a_rank_out_of_data_mid_round_or_before_a_nan_step_does_not_hang(tmp_path):
+    """Accumulation where one part ends mid-round, and a non-finite step after a part ran out
+    (skip and stop): every rank finishes or raises the same error; replicas agree."""
+    cfg = TrainerConfig(global_batch_size=8, epochs=2, check_replicas_every=1, progress_bar=False)
+    cfg = replace(cfg, timeout_s=60)  # a mismatch fails within a minute instead of hanging
+    results = ddptrain.spawn(_run_late_rounds, 2, cfg, timeout_s=240)
+    for r in results:
+        assert r["accum"]["summary"]["step"] == 2 * 2  # the 24-sample part's 2 rounds, 2 epochs
+        assert torch.equal(r["accum"]["params"], results[0]["accum"]["params"])
+        assert r["skipped"]["summary"]["step"] == 2 * 6
+        assert torch.isfinite(r["skipped"]["params"]).all()
+        assert torch.equal(r["skipped"]["params"], results[0]["skipped"]["params"])
+        assert r["stopped"] == results[0]["stopped"]
+        assert "step 6: non-finite gradients (non-finite local loss on rank(s) [1])" in (
+            r["stopped"] or ""
+        )
 
 
 def test_zero_stage_with_uneven_parts_is_refused_with_the_fix():
