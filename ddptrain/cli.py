@@ -9,9 +9,10 @@
         sys.exit(ddptrain.cli.run_main(main))
 
 `run_main` turns the exceptions in USER_ERRORS (bad flags and settings, data files, downloads,
-checkpoints, launcher variables and ports) into one line on stderr and exit status 2 (flags and
-settings) or 1 (the rest), without a traceback. `--debug` or DDPTRAIN_DEBUG=1 shows it. Any
-other exception is a bug: it propagates with its traceback and torchrun's `@record` report.
+checkpoints, launcher variables and ports, another rank's failure) into one line on stderr and
+exit status 2 (flags and settings) or 1 (the rest), without a traceback. `--debug` or
+DDPTRAIN_DEBUG=1 shows it. Any other exception is a bug: it propagates with its traceback and
+torchrun's `@record` report.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ddptrain.data.idx import DownloadError, IDXFormatError
 from ddptrain.dist import LaunchError, parse_env
 from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.config import ConfigError
+from ddptrain.train.health import PeerFailedError
 
 DEBUG_ENV = "DDPTRAIN_DEBUG"
 USAGE_EXIT_CODE = 2
@@ -58,6 +60,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     DownloadError,
     FileNotFoundError,
     CheckpointError,
+    # Names the peer's error, which that rank reports itself (with its traceback if a bug).
+    PeerFailedError,
 )
 
 

@@ -36,6 +36,10 @@ class RankLostError(RuntimeError):
     """Another rank died or stopped responding; raised on the survivors."""
 
 
+class PeerFailedError(RuntimeError):
+    """Another rank left fit() with an error while this one waited for it; names that error."""
+
+
 class ReplicaDesyncError(RuntimeError):
     """Ranks hold different parameters although they must be identical replicas."""
 
@@ -73,15 +77,28 @@ class Heartbeat:
             self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Mark this rank as finished cleanly (peers stop watching it) and stop the thread."""
+    def stop(self, error: str | None = None) -> None:
+        """Stop the thread and tell peers why (they stop watching this rank): finished
+        cleanly, or left with `error`, which a peer blocked on this rank reports."""
         if self._thread.is_alive():
             self._stop.set()
             self._thread.join()
+            key, value = (f"failed/{self.rank}", error) if error else (f"done/{self.rank}", "1")
             try:
-                self._store.set(f"done/{self.rank}", "1")
+                self._store.set(key, value)
             except Exception:  # noqa: BLE001 - the store may be gone at shutdown
                 pass
+
+    def failed_peers(self) -> dict[int, str]:
+        """{rank: its error} for the peers that left with an error (see stop)."""
+        failed = {}
+        for peer in self._seen:
+            try:
+                if self._store.check([f"failed/{peer}"]):
+                    failed[peer] = self._store.get(f"failed/{peer}").decode(errors="replace")
+            except Exception:  # noqa: BLE001 - an unreachable store knows of no failure
+                pass
+        return failed
 
     def lost_ranks(self, wait_s: float | None = None) -> list[int]:
         """Peers silent for longer than `wait_s` (default: 3 beats) as seen from here."""
@@ -103,7 +120,7 @@ class Heartbeat:
         silent = {}
         for peer in self._seen:
             try:
-                if self._store.check([f"done/{peer}"]):
+                if self._store.check([f"done/{peer}"]) or self._store.check([f"failed/{peer}"]):
                     continue
                 count = self._store.add(f"beat/{peer}", 0)
             except Exception:  # noqa: BLE001 - an unreachable store: treat peers as silent
@@ -168,20 +185,36 @@ def check_replicas(module: nn.Module, group: Any = None) -> None:
             )
 
 
-def rank_lost_error(
-    error: RuntimeError, heartbeat: Heartbeat | None, rank: int, step: int
-) -> RankLostError | None:
-    """A RankLostError naming the silent peers if `error` is a collective failing on them."""
-    # Backends report a dead peer as a plain RuntimeError (gloo) or a DistError.
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """`Type: first line of the message`, at most `limit` characters."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(error).__name__}: {first}"[:limit] if first else type(error).__name__
+
+
+def peer_error(
+    error: BaseException, heartbeat: Heartbeat | None, rank: int, step: int
+) -> RuntimeError | None:
+    """If `error` is a collective failing because of a peer: a PeerFailedError naming the
+    peer's own error, or a RankLostError naming the silent peers; else None."""
+    # Backends report a dead peer as a plain RuntimeError (gloo, shared memory) or a DistError.
     comm_failure = type(error) is RuntimeError or isinstance(error, dist.DistError)
-    lost = heartbeat.lost_ranks() if heartbeat and comm_failure else []
+    if heartbeat is None or not comm_failure:
+        return None
+    failed = heartbeat.failed_peers()
+    if failed:
+        peer, why = min(failed.items())
+        return PeerFailedError(
+            f"rank {rank}: rank {peer} left at step {step} with {why}; the others stop with "
+            f"it (fix that error: rank {peer}'s own output has the details)"
+        )
+    lost = heartbeat.lost_ranks()
     if not lost:
         return None
-    text = str(error).strip()
-    first_line = text.splitlines()[0] if text else type(error).__name__
+    first_line = one_line(error, 200).removeprefix("RuntimeError: ")
     return RankLostError(
         f"rank {rank}: lost rank(s) {lost} at step {step} (they stopped heartbeating; the "
-        f"collective failed with: {first_line[:200]}). Restart the job (torchrun "
+        f"collective failed with: {first_line}). Restart the job (torchrun "
         "--max-restarts=N) with resume='auto' to continue from the latest checkpoint"
     )
 

@@ -97,11 +97,14 @@ class Trainer:
         self._heartbeat = Heartbeat(timeout_s=timeout).start() if timeout else None
         try:
             return self._fit(self.info)
-        except RuntimeError as e:
-            lost = health.rank_lost_error(e, self._heartbeat, self.info.rank, self.step)
-            if lost is None:
+        except BaseException as e:
+            peer = health.peer_error(e, self._heartbeat, self.info.rank, self.step)
+            if self._heartbeat:
+                # Before the group goes: a peer blocked on this rank reports why it left.
+                self._heartbeat.stop(error=health.one_line(peer or e))
+            if peer is None:
                 raise
-            raise lost from e
+            raise peer from e
         finally:
             if self._heartbeat:
                 self._heartbeat.stop()

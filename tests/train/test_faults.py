@@ -96,6 +96,20 @@ def test_survivors_exit_fast_naming_a_killed_rank(tmp_path, hook):
         assert seconds < DETECTED_WITHIN_S
 
 
+@pytest.mark.parametrize("hook", ["default", "allreduce"])
+def test_a_rank_leaving_with_an_error_is_named_by_the_others(tmp_path, hook):
+    """Rank 1 raises mid-run: rank 0, blocked on it (at a shared-memory barrier or in gloo),
+    stops at once with PeerFailedError naming rank 1's error, not a backend traceback."""
+    procs = _launch_ranks(2, ["--fault", "raise:1:3", "--comm-hook", hook], tmp_path)
+    _, outputs = _wait_all(procs, timeout_s=DETECTED_WITHIN_S)
+    assert procs[1].returncode != 0 and "CrashAt: simulated crash at step 3" in outputs[1]
+    assert procs[0].returncode != 0, outputs[0]
+    assert (
+        "PeerFailedError: rank 0: rank 1 left at step 3 with CrashAt: simulated crash at step 3"
+        in outputs[0]
+    ), outputs[0]
+
+
 def test_frozen_rank_is_detected_by_the_heartbeat(tmp_path):
     """A rank frozen by SIGSTOP is declared lost after heartbeat_timeout_s; survivors exit 75."""
     stamp = tmp_path / "frozen_at"
