@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ from ddptrain.launchers import INIT_METHOD_ENV as INIT_METHOD_ENV  # spawn and t
 from ddptrain.launchers import LaunchEnv, LaunchError, detect_launcher, expand_nodelist, parse_env
 
 DEFAULT_TIMEOUT_S = 300.0
+# Rendezvous waits are cut into tries this long, so Ctrl-C (checked between tries) stops a
+# rank waiting for its peers; torch's store waits in C++, where Python never sees the signal.
+_RENDEZVOUS_TRY_S = 1.0
+_RENDEZVOUS_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -180,21 +185,71 @@ def _expand_hosts(nodelist: str) -> list[str]:
 
 
 def _env_store(launch: LaunchEnv, timeout: datetime.timedelta, group: int) -> dist.Store:
-    """The env:// store, with keys private to this restart attempt and this process's n-th group.
+    """The env:// store, with keys private to this restart attempt and this process's n-th group,
+    returned once all WORLD_SIZE ranks have reached it.
 
     Under torchrun the agent hosts one store for every attempt of the job; without a prefix a
     restarted rank can read the dead attempt's addresses and fail to connect, or hang (and so
     can a second group created in the same processes).
     """
-    store = dist.TCPStore(
-        launch.master_addr,
-        launch.master_port,
-        launch.world_size,
-        is_master=launch.rank == 0 and not launch.agent_store,
-        timeout=timeout,
-        multi_tenant=True,
-    )
-    return dist.PrefixStore(f"ddptrain/attempt_{launch.restart_count}/group_{group}", store)
+    deadline = time.monotonic() + timeout.total_seconds()
+    is_master = launch.rank == 0 and not launch.agent_store
+    while True:
+        try_s = max(min(_RENDEZVOUS_TRY_S, deadline - time.monotonic()), 0.1)
+        try:
+            store = dist.TCPStore(
+                launch.master_addr,
+                launch.master_port,
+                launch.world_size,
+                is_master=is_master,
+                timeout=datetime.timedelta(seconds=try_s),
+                wait_for_workers=False,
+                multi_tenant=True,
+            )
+            break
+        except dist.DistNetworkError as e:
+            if is_master or "timed out" not in str(e):
+                raise
+            if time.monotonic() >= deadline:
+                raise LaunchError(
+                    f"rank {launch.rank} could not reach the rendezvous store at "
+                    f"{launch.master_addr}:{launch.master_port} within "
+                    f"{timeout.total_seconds():.0f} s: start rank 0 too, and check that "
+                    "MASTER_ADDR and MASTER_PORT name rank 0's host and a port it can open"
+                ) from None
+    store.set_timeout(timeout)
+    prefixed = dist.PrefixStore(f"ddptrain/attempt_{launch.restart_count}/group_{group}", store)
+    _wait_for_every_rank(prefixed, launch, deadline, timeout.total_seconds())
+    return prefixed
+
+
+def _wait_for_every_rank(
+    store: dist.Store, launch: LaunchEnv, deadline: float, timeout_s: float
+) -> None:
+    """Check in, then wait (in Python, so Ctrl-C works) until WORLD_SIZE ranks have; refuse
+    ranks launched with different WORLD_SIZE values."""
+    where = f"{launch.master_addr}:{launch.master_port}"
+    first = store.compare_set("world_size", "", str(launch.world_size)).decode()
+    if first != str(launch.world_size):
+        message = (
+            f"ranks were launched with different WORLD_SIZE values ({first} and "
+            f"{launch.world_size}, rendezvous {where}); every process must get the same one"
+        )
+        store.set("refused", message)
+        raise LaunchError(message)
+    arrived = store.add("arrived", 1)
+    while arrived < launch.world_size:
+        if store.check(["refused"]):
+            raise LaunchError(store.get("refused").decode())
+        if time.monotonic() >= deadline:
+            raise LaunchError(
+                f"only {arrived} of WORLD_SIZE={launch.world_size} ranks reached the rendezvous "
+                f"at {where} within {timeout_s:.0f} s: start {launch.world_size} processes "
+                "(torchrun --nproc_per_node, srun -n, mpirun -np), or set WORLD_SIZE to the "
+                "number you start"
+            )
+        time.sleep(_RENDEZVOUS_POLL_S)
+        arrived = store.add("arrived", 0)
 
 
 def _address_in_use(method: str, launch: LaunchEnv) -> str:
