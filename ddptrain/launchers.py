@@ -122,7 +122,7 @@ def _parse_torchrun(env: Mapping[str, str], launcher: str) -> LaunchEnv:
         world_size,
         init_method,
         master_addr=env.get("MASTER_ADDR"),
-        master_port=_int_var(env, "MASTER_PORT") if "MASTER_PORT" in env else None,
+        master_port=_port_var(env) if "MASTER_PORT" in env else None,
         restart_count=_int_var(env, "TORCHELASTIC_RESTART_COUNT")
         if "TORCHELASTIC_RESTART_COUNT" in env
         else 0,
@@ -163,7 +163,7 @@ def _parse_mpi(env: Mapping[str, str]) -> LaunchEnv:
             )
         master_addr = MPI_DEFAULT_MASTER_ADDR
     if "MASTER_PORT" in env:
-        master_port = _int_var(env, "MASTER_PORT")
+        master_port = _port_var(env)
     else:
         job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE")
         master_port = derived_port(job) if job else MPI_DEFAULT_MASTER_PORT
@@ -189,7 +189,7 @@ def _parse_slurm(env: Mapping[str, str], expand_hosts: Callable[[str], list[str]
         # srun places task 0 on the first node of the step (block and cyclic distributions).
         master_addr = hosts[0]
     if "MASTER_PORT" in env:
-        master_port = _int_var(env, "MASTER_PORT")
+        master_port = _port_var(env)
     elif "SLURM_JOB_ID" in env:
         master_port = derived_port(env["SLURM_JOB_ID"])
     else:
@@ -261,6 +261,13 @@ def _int_var(env: Mapping[str, str], key: str) -> int:
         return int(env[key])
     except ValueError:
         raise LaunchError(f"{key}={env[key]!r} is not an integer") from None
+
+
+def _port_var(env: Mapping[str, str]) -> int:
+    port = _int_var(env, "MASTER_PORT")
+    if not 1 <= port <= 65535:
+        raise LaunchError(f"MASTER_PORT={port} is not a TCP port; use one in 1..65535")
+    return port
 
 
 def derived_port(job_id: str) -> int:

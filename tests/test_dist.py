@@ -56,6 +56,10 @@ def test_spawn_variable_overrides_init_method():
         ({"RANK": "x", "WORLD_SIZE": "2"}, "not an integer"),
         ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR"),
         ({"RANK": "0", "WORLD_SIZE": "0"}, ">= 1"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "99999"},
+            r"MASTER_PORT=99999 is not a TCP port; use one in 1\.\.65535",
+        ),
     ],
 )
 def test_bad_launcher_variables_name_the_fix(env, match):
