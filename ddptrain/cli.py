@@ -32,6 +32,7 @@ from ddptrain.dist import LaunchError, parse_env
 from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.config import ConfigError
 from ddptrain.train.health import PeerFailedError
+from ddptrain.train.log import LogDirError
 
 DEBUG_ENV = "DDPTRAIN_DEBUG"
 USAGE_EXIT_CODE = 2
@@ -60,6 +61,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     DownloadError,
     FileNotFoundError,
     CheckpointError,
+    LogDirError,
     # Names the peer's error, which that rank reports itself (with its traceback if a bug).
     PeerFailedError,
 )
@@ -80,6 +82,11 @@ def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
 def non_negative(kind: Callable[[str], float]) -> Callable[[str], float]:
     """An argparse `type` accepting values of `kind` that are >= 0."""
     return _bounded(kind, lambda v: v >= 0, ">= 0")
+
+
+def probability(text: str) -> float:
+    """An argparse `type` accepting a float in [0, 1) (a dropout rate)."""
+    return _bounded(float, lambda v: 0 <= v < 1, "in [0, 1)")(text)
 
 
 def _bounded(kind, ok: Callable[[float], bool], bound: str) -> Callable[[str], float]:
@@ -171,5 +178,5 @@ def _rank() -> int:
         return dist.get_rank()
     try:
         return parse_env(os.environ).rank
-    except LaunchError:
+    except (LaunchError, ValueError):  # ValueError: a SLURM node list only scontrol expands
         return 0

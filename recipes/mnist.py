@@ -46,7 +46,14 @@ import torch.nn.functional as F
 
 import ddptrain
 from ddptrain.bench.models import MLP
-from ddptrain.cli import ArgumentParser, non_negative, positive, run_alike, run_main
+from ddptrain.cli import (
+    ArgumentParser,
+    non_negative,
+    positive,
+    probability,
+    run_alike,
+    run_main,
+)
 from ddptrain.data.idx import (
     DEBIAN_FASHION_MNIST,
     DownloadError,
@@ -142,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--width", type=positive(int), default=2, help="LeNet width multiplier (1 = tutorial)"
     )
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dropout", type=probability, default=0.1)
     p.add_argument("--global-batch-size", type=int, default=256)
     p.add_argument("--lr", type=positive(float), default=0.2)
     p.add_argument("--momentum", type=non_negative(float), default=0.9)
@@ -195,6 +202,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.profile_steps = _step_range(p, args.profile_steps)
     if args.channels_last is None:
         args.channels_last = args.zero_stage == 0
+    elif args.channels_last and args.zero_stage:
+        p.error(
+            "--zero-stage 1 shards flat, contiguous parameters; drop --channels-last "
+            "(--zero-stage 1 turns it off by default)"
+        )
     return args
 
 

@@ -130,6 +130,20 @@ def _run_alike_in_world() -> tuple[str, str, bool]:
     return "", "", False
 
 
+def test_an_error_under_a_node_list_only_scontrol_expands_is_still_one_line(monkeypatch, capsys):
+    """run_main finding the rank from SLURM variables whose node list its parser refuses: the
+    error line, not a second traceback from the handler."""
+    slurm = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    for key, value in {**slurm, "SLURM_JOB_ID": "5", "SLURM_STEP_NODELIST": "n[1-"}.items():
+        monkeypatch.setenv(key, value)
+
+    def main(argv: list[str]) -> int:
+        raise FileNotFoundError("no data")
+
+    assert cli.run_main(main, []) == cli.USER_EXIT_CODE
+    assert capsys.readouterr().err == "error: no data\n"
+
+
 def test_run_alike_raises_one_ranks_error_on_every_rank():
     """A data error on rank 1 alone is raised on both ranks, marked to be printed by rank 0."""
     expected = ("IDXFormatError", "rank 1's labels file: label 12 at index 7", True)
@@ -218,6 +232,32 @@ CLI_CASES: dict[str, CliCase] = {
         2,
         f"error: unrecognized arguments: --epcohs 3 (see{GAP}--help)",
     ),
+    "cli-dropout-out-of-range": CliCase(
+        lambda f: _data(f, "--dropout", "1.5"),
+        2,
+        f"error: argument --dropout: must be in [0, 1), got 1.5 (see{GAP}--help)",
+    ),
+    "cli-zero-with-channels-last": CliCase(
+        lambda f: _data(f, "--zero-stage", "1", "--channels-last"),
+        2,
+        "error: --zero-stage 1 shards flat, contiguous parameters; drop --channels-last",
+    ),
+    "cli-data-dir-unwritable": CliCase(
+        lambda f: ["--data-dir", str(f["file"] / "data"), "--mirror", closed_port_url()],
+        1,
+        f"error: cannot create{GAP}to download into{GAP}choose a data folder you can write to",
+    ),
+    "cli-log-dir-unwritable": CliCase(
+        lambda f: _data(f, "--max-steps", "1", "--log-dir", str(f["file"] / "logs")),
+        1,
+        f"error: cannot create log directory{GAP}choose a log_dir you can write to",
+    ),
+    "cli-resume-sidecar": CliCase(
+        lambda f: _data(f, "--resume", str(f["ckpt"] / "ckpt-00000001.json")),
+        1,
+        f"error:{GAP}ckpt-00000001.json is the JSON sidecar of a checkpoint; resume from"
+        f"{GAP}ckpt-00000001.pt",
+    ),
     "cli-checkpoint-dir-unwritable": CliCase(
         lambda f: _data(f, "--checkpoint-dir", str(f["file"] / "ckpt")),
         1,
@@ -252,7 +292,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "bad_labels/train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx_bytes(labels)))
     (root / "file").write_text("not a folder")
     (root / "empty").mkdir()
-    return {name: root / name for name in ["data", "bad_labels", "file", "empty"]}
+    (root / "ckpt").mkdir()
+    for name in ("ckpt-00000001.pt", "ckpt-00000001.json"):
+        (root / "ckpt" / name).write_text("{}")
+    return {name: root / name for name in ["data", "bad_labels", "file", "empty", "ckpt"]}
 
 
 @pytest.mark.parametrize("case_id", list(CLI_CASES))

@@ -359,7 +359,13 @@ def _fetch(spec: _Spec, root: Path, train: bool) -> Path:
 
 def download_files(md5: dict[str, str], mirrors: Sequence[str], dest: Path) -> None:
     """Fetch each file name in `md5` from the first mirror that serves it intact, into dest."""
-    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DownloadError(
+            f"cannot create {dest} to download into: {e.strerror or e}; choose a data folder "
+            "you can write to"
+        ) from None
     for name, expected in md5.items():
         if (dest / name).is_file() and _md5(dest / name) == expected:
             continue

@@ -138,9 +138,19 @@ def save_checkpoint(
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:
     """Load a ddptrain checkpoint (weights_only=True, sidecar-checked if present) or raise."""
     path = Path(path)
+    auto = "or resume='auto' with checkpoint_dir=DIR (recipe: --resume auto --checkpoint-dir DIR)"
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path} is a directory, not a checkpoint; pick one with latest_checkpoint(dir), "
+            + auto
+        )
     if not path.is_file():
         raise CheckpointError(
-            f"{path} does not exist or is not a file; pick one with latest_checkpoint(dir)"
+            f"{path} does not exist or is not a file; pick one with latest_checkpoint(dir), " + auto
+        )
+    if path.suffix == ".json" and path.with_suffix(".pt").is_file():
+        raise CheckpointError(
+            f"{path} is the JSON sidecar of a checkpoint; resume from {path.with_suffix('.pt')}"
         )
     if path.with_suffix(".json").exists():
         verify_checkpoint(path)

@@ -38,12 +38,22 @@ TENSORBOARD_HINT = (
 )
 
 
+class LogDirError(OSError):
+    """log_dir cannot be created; the message names it."""
+
+
 class MetricsLog:
     """Append-only JSON lines, one record per line, flushed at once so other tools can tail it."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.path = Path(directory) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LogDirError(
+                f"cannot create log directory {directory}: {e.strerror or e}; choose a "
+                "log_dir you can write to"
+            ) from None
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if not _ends_a_line(self.path):
             # A run killed mid-write left half a record: end it, or ours would be glued onto it
