@@ -75,6 +75,11 @@ def trace_path(directory: str | os.PathLike, rank: int) -> Path:
     return Path(directory) / f"trace-rank{rank}.json"
 
 
+def range_missed(steps: tuple[int, int] | None, first: int, last: int) -> bool:
+    """Whether profile_steps asks for steps and none of them is among first..last (this run's)."""
+    return steps is not None and (steps[0] > last or steps[1] < first)
+
+
 class StepTracer:
     """Profiles optimizer steps first..last (numbered from 1, as in the log) on every rank."""
 
@@ -86,10 +91,14 @@ class StepTracer:
         self.path = trace_path(directory, rank) if directory is not None else None
         self._prof: profile | None = None
         self._was_active = False
+        self._done = False
 
     def before_step(self, step: int) -> None:
-        """Start profiling if `step` (about to run) is the first profiled step."""
-        if self.steps is None or self.path is None or step != self.steps[0]:
+        """Start profiling at the first step (about to run) in the range: its first, or the
+        step a run resumed inside it starts with."""
+        if self.steps is None or self.path is None or self._prof is not None or self._done:
+            return
+        if not self.steps[0] <= step <= self.steps[1]:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         global active
@@ -112,6 +121,7 @@ class StepTracer:
             return
         global active
         prof, self._prof = self._prof, None
+        self._done = True
         active = self._was_active
         prof.stop()
         prof.export_chrome_trace(str(self.path))

@@ -382,6 +382,13 @@ class Trainer:
         self._bar = ProgressBar(self.total_steps, self.step, enabled=enabled)
         trace_dir = cfg.log_dir or cfg.checkpoint_dir
         self._tracer = profiling.StepTracer(cfg.profile_steps, trace_dir, info.rank)
+        missed = profiling.range_missed(cfg.profile_steps, self.step + 1, self.total_steps)
+        if missed and self.step < self.total_steps:
+            first, last = cfg.profile_steps
+            print0(
+                f"warning: profile_steps=({first}, {last}) lies outside the steps this run "
+                f"takes ({self.step + 1}..{self.total_steps}): no trace will be written"
+            )
 
     def _close_logs(self) -> None:
         self._tracer.close()

@@ -45,6 +45,12 @@ def is_uneven(dataset: Dataset) -> bool:
 
 def check_supported(cfg: Any) -> None:
     """Refuse settings whose collectives a rank that ran out could not answer."""
+    if cfg.profile_steps is not None:
+        raise ConfigError(
+            "profile_steps with an IterableDataset train set: the profiled steps start with a "
+            "barrier, which a rank whose part ran out cannot join. Profile a map-style dataset "
+            "run, or set profile_steps=None"
+        )
     if cfg.zero_stage:
         raise ConfigError(
             f"zero_stage={cfg.zero_stage} with an IterableDataset train set: ZeRO's optimizer "

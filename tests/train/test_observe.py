@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import ddptrain
+from ddptrain import profiling
 from ddptrain.plot import curves, timeline
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.timing import PHASES
@@ -109,3 +111,23 @@ def test_config_names_the_fix_for_bad_observability_settings():
         TrainerConfig(profile_steps=(1, 2))
     with pytest.raises(ValueError, match="use a tuple of"):
         TrainerConfig(loggers=("wandb",))
+
+
+def test_a_run_resumed_inside_the_profiled_range_traces_the_rest(tmp_path):
+    """StepTracer(2..4) on a run whose first step is 3: it profiles 3..4 and writes the trace."""
+    tracer = profiling.StepTracer((2, 4), tmp_path, rank=0)
+    for step in range(3, 7):
+        tracer.before_step(step)
+        torch.ones(8).add_(1)
+        tracer.after_step(step)
+    tracer.close()
+    assert (tmp_path / "trace-rank0.json").is_file()
+
+
+def test_a_profile_range_outside_the_run_is_told_apart():
+    """range_missed: true only when no profiled step is among the run's steps."""
+    assert profiling.range_missed((50, 60), 1, 10)
+    assert profiling.range_missed((2, 4), 7, 20)  # resumed past it
+    assert not profiling.range_missed((5, 60), 1, 10)
+    assert not profiling.range_missed((2, 4), 3, 20)
+    assert not profiling.range_missed(None, 1, 10)

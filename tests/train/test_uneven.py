@@ -153,3 +153,10 @@ def test_zero_stage_with_uneven_parts_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="zero_stage=1 with an IterableDataset.*Use zero_stage=0"):
         uneven.check_supported(TrainerConfig(global_batch_size=8, zero_stage=1))
     uneven.check_supported(TrainerConfig(global_batch_size=8))
+
+
+def test_profile_steps_with_uneven_parts_is_refused_with_the_fix():
+    """The profiler's starting barrier cannot be answered by a joined rank: a clear refusal."""
+    config = TrainerConfig(global_batch_size=8, profile_steps=(1, 2), log_dir="logs")
+    with pytest.raises(ValueError, match="profile_steps with an IterableDataset.*profile_steps="):
+        uneven.check_supported(config)
