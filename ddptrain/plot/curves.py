@@ -43,6 +43,11 @@ class Series:
     times: list[float | None] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
 
+    def truncate_after(self, step: int) -> None:
+        """Drop the points after `step`."""
+        keep = sum(1 for s in self.steps if s <= step)
+        del self.steps[keep:], self.times[keep:], self.values[keep:]
+
 
 @dataclass
 class Run:
@@ -90,13 +95,18 @@ def extract_series(records: list[dict[str, Any]]) -> dict[str, Series]:
     """Curves keyed by field: training fields from training records, eval_* from eval records.
 
     A resumed run appends to the same file and restarts its clock: later times are shifted by
-    the last time seen before the new start record, so wall time keeps increasing.
+    the last time seen before the new start record, so wall time keeps increasing. It resumes
+    from its checkpoint's step, which may be earlier than the last one logged: the points after
+    that step are replaced by the resumed run's, as the run's history now goes.
     """
     series: dict[str, Series] = {}
     offset, last_time = 0.0, 0.0
     for record in records:
         if record.get("event") == "start":
             offset = last_time
+            if isinstance(record.get("step"), int):
+                for s in series.values():
+                    s.truncate_after(record["step"])
             continue
         if "step" not in record:
             continue

@@ -57,9 +57,18 @@ class Span:
 
 
 def read_trace(path: str | os.PathLike) -> dict[str, Any]:
-    """A Chrome trace file as a dict."""
+    """A Chrome trace file as a dict; ValueError naming the file if it is not one."""
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            trace = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}: not a Chrome trace (invalid JSON: {e}); pass the trace-rank<r>.json "
+                "files profile_steps wrote, from a run that finished its profiled steps"
+            ) from None
+    if not isinstance(trace, dict):
+        raise ValueError(f"{path}: not a Chrome trace (a JSON {type(trace).__name__})")
+    return trace
 
 
 def trace_rank(trace: dict[str, Any], fallback: int) -> int:

@@ -62,12 +62,21 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record."""
-        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        # Strict JSON (NaN and inf as null): other readers (jq, JavaScript) reject NaN.
+        self._file.write(json.dumps(_finite_or_null(record), sort_keys=True, allow_nan=False))
+        self._file.write("\n")
         self._file.flush()
 
     def close(self) -> None:
         """Close the file."""
         self._file.close()
+
+
+def _finite_or_null(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with each non-finite float value replaced by None."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()
+    }
 
 
 def _ends_a_line(path: Path) -> bool:

@@ -41,8 +41,30 @@ def test_series_split_training_and_eval_records():
 
 def test_resumed_run_keeps_wall_time_increasing():
     """A second start record (a resumed run) shifts later times by the last time seen."""
-    records = [START, _train(10, 2.0, 5.0), START, _train(20, 1.0, 1.0)]
+    records = [START, _train(10, 2.0, 5.0), {**START, "step": 10}, _train(20, 1.0, 1.0)]
     assert curves.extract_series(records)["loss"].times == [5.0, 6.0]
+
+
+def test_a_run_resumed_from_an_earlier_step_replaces_the_steps_after_it():
+    """Logged to step 30, resumed from the step-10 checkpoint: one curve, the resumed points."""
+    records = [START, _train(10, 2.0, 1.0), _train(20, 1.5, 2.0), _train(30, 1.2, 3.0)]
+    records += [{**START, "step": 10}, _train(20, 1.4, 1.0), _train(30, 1.1, 2.0)]
+    loss = curves.extract_series(records)["loss"]
+    assert (loss.steps, loss.values, loss.times) == ([10, 20, 30], [2.0, 1.4, 1.1], [1.0, 4.0, 5.0])
+
+
+def test_a_non_finite_loss_is_written_as_json_null_and_skipped_by_the_plot(tmp_path):
+    """MetricsLog writes NaN/inf as null (strict JSON); the curve leaves that point out."""
+    from ddptrain.train.log import MetricsLog
+
+    log = MetricsLog(tmp_path)
+    for step, loss in [(1, 2.0), (2, float("nan")), (3, float("inf")), (4, 1.0)]:
+        log.write(_train(step, loss, float(step)))
+    log.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert [json.loads(line)["loss"] for line in text.splitlines()] == [2.0, None, None, 1.0]
+    assert curves.extract_series(curves.read_records(tmp_path))["loss"].steps == [1, 4]
 
 
 def test_records_without_time_s_still_plot_against_step():

@@ -84,3 +84,18 @@ def test_cli_draws_a_timeline_and_refuses_traces_without_marks(tmp_path):
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps(_trace(0, [])))
     assert main(["--timeline", str(empty), "-o", str(out)]) == 2
+
+
+def test_a_file_that_is_not_a_trace_is_named_in_one_line(tmp_path, capsys):
+    """A truncated trace or a metrics.jsonl passed to --timeline: exit 2 naming that file."""
+    good = tmp_path / "trace-rank0.json"
+    good.write_text(json.dumps(_trace(0, [_event("ddptrain.forward", 10, 5)])))
+    cut = tmp_path / "trace-rank1.json"
+    cut.write_text(good.read_text()[:-20])
+    lines = tmp_path / "metrics.jsonl"
+    lines.write_text('{"step": 1}\n{"step": 2}\n')
+    for bad in (cut, lines):
+        assert main(["--timeline", str(good), str(bad), "-o", str(tmp_path / "x.png")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ddptrain.plot: {bad}: not a Chrome trace (invalid JSON:"), err
+        assert err.count("\n") == 1
