@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from ddptrain.dist import print0
 from ddptrain.train.timing import StepTimes, split_record
 
 LOGGERS = ("jsonl", "tensorboard")
@@ -160,6 +161,13 @@ class ProgressBar:
         if "comm_share" in record:
             shown["comm"] = f"{record['comm_share']:.0%}"
         self._bar.set_postfix(shown)
+
+    def print(self, text: str) -> None:
+        """Print a line on rank 0 above the bar, which stays whole below it."""
+        if self._bar is None:
+            print0(text)
+        else:
+            self._bar.write(text)
 
     def close(self) -> None:
         """Close the bar."""

@@ -340,7 +340,7 @@ class Trainer:
         )
         self.config.check_best_metric(metrics)
         if metrics:
-            print0(f"step {self.step} epoch {self.epoch}: {format_metrics(metrics)}")
+            self._bar.print(f"step {self.step} epoch {self.epoch}: {format_metrics(metrics)}")
             if self._log:
                 time_s = time.perf_counter() - self._progress.start
                 self._log.write(

@@ -131,3 +131,14 @@ def test_run_banner_says_when_max_steps_ends_the_run_early():
     # 5 micro-batches in steps of 2: 3 steps an epoch, the last one short.
     accumulated = _banner(epochs=2, max_steps=None, total_steps=6, batches_per_epoch=5, accum=2)
     assert "6 optimizer steps (2 epoch(s) of 5 micro-batches)" in accumulated
+
+
+def test_lines_printed_during_a_progress_bar_go_above_it(capsys):
+    """ProgressBar.print: with the bar on, a whole line on stdout (tqdm clears and redraws the
+    bar on stderr around it); with it off, the same line."""
+    for enabled in (True, False):
+        bar = logs.ProgressBar(total=10, initial=0, enabled=enabled)
+        bar.update(3, {"loss": 0.5, "samples_per_s": 100.0})
+        bar.print("step 3 epoch 0: eval_accuracy=0.9000")
+        bar.close()
+        assert capsys.readouterr().out == "step 3 epoch 0: eval_accuracy=0.9000\n"
