@@ -108,6 +108,43 @@ def optimizer(cfg: TrainerConfig, value: Any) -> tuple[torch.optim.Optimizer, An
     return opt, scheduler
 
 
+def steps_per_optimizer_step(scheduler: Any) -> bool:
+    """Whether the Trainer steps `scheduler` after each optimizer step; ReduceLROnPlateau
+    needs a metric, so it is stepped after each evaluation instead (plateau_step)."""
+    return scheduler is not None and not isinstance(
+        scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau
+    )
+
+
+def plateau_metric(cfg: TrainerConfig) -> str:
+    """The evaluation metric a ReduceLROnPlateau scheduler follows."""
+    return cfg.best_metric or "eval_loss"
+
+
+def check_plateau(scheduler: Any, eval_set: Dataset | None) -> None:
+    """Refuse a ReduceLROnPlateau with nothing to evaluate."""
+    if scheduler is not None and not steps_per_optimizer_step(scheduler) and eval_set is None:
+        raise ConfigError(
+            "ReduceLROnPlateau is stepped with an evaluation metric after each evaluation, but "
+            "build_datasets() returned no eval set; return (train_set, eval_set), or use a "
+            "schedule stepped per optimizer step"
+        )
+
+
+def plateau_step(cfg: TrainerConfig, scheduler: Any, metrics: dict[str, float]) -> None:
+    """Step a ReduceLROnPlateau with this evaluation's metric (no-op for other schedulers)."""
+    if scheduler is None or steps_per_optimizer_step(scheduler):
+        return
+    name = plateau_metric(cfg)
+    if name not in metrics:
+        raise ConfigError(
+            f"ReduceLROnPlateau follows {name!r} (best_metric, else eval_loss), which the "
+            f"evaluation does not give ({sorted(metrics)}); return 'loss' from "
+            "validation_step or set best_metric to one of them"
+        )
+    scheduler.step(metrics[name])
+
+
 def epoch_steps(cfg: TrainerConfig, sampler: ShardedSampler) -> int:
     """Optimizer steps in cfg.epochs epochs of the sampler (an epoch's last step may be short)."""
     return math.ceil(sampler.batches_per_epoch / cfg.grad_accum_steps) * cfg.epochs

@@ -74,7 +74,8 @@ class Trainer:
         raise NotImplementedError("override build_datasets() to return (train, eval or None)")
 
     def configure_optimizers(self, model: nn.Module) -> Any:
-        """Return an optimizer, or (optimizer, lr_scheduler) stepped once per optimizer step.
+        """Return an optimizer, or (optimizer, lr_scheduler) stepped once per optimizer step
+        (a ReduceLROnPlateau: after each evaluation, with best_metric or eval_loss).
 
         `self.total_steps` (optimizer steps of the whole run) is set by then, for schedules.
         """
@@ -133,6 +134,7 @@ class Trainer:
             self.total_steps = build.total_steps(cfg, self.sampler)
         # 5. Optimizer (after total_steps, which schedules read).
         self.optimizer, self.scheduler = build.optimizer(cfg, self.configure_optimizers(module))
+        build.check_plateau(self.scheduler, eval_set)
         self.scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
         # Each rank draws its own dropout masks, reproducibly.
         torch.manual_seed(cfg.seed + 1 + info.rank)
@@ -180,8 +182,8 @@ class Trainer:
         self._tracer.before_step(self.step + 1)
         loss, stepped = self._train_step(batches, micro)
         self._tracer.after_step(self.step + 1)
-        if self.scheduler is not None and stepped:
-            self.scheduler.step()
+        if stepped:
+            self._step_scheduler()
         self.step += 1
         self._maybe_check_replicas()
         self._log_step(loss, micro)
@@ -243,6 +245,11 @@ class Trainer:
         if self.sampler is not None:
             self.sampler.mark_consumed(1)
         return scaled.detach().float()
+
+    def _step_scheduler(self) -> None:
+        """After an optimizer step: the scheduler's step, unless it waits for evaluations."""
+        if build.steps_per_optimizer_step(self.scheduler):
+            self.scheduler.step()
 
     def _optimizer_step(self) -> bool:
         """Clip (or measure) the gradient norm and step; return False, having dropped the
@@ -339,6 +346,8 @@ class Trainer:
             autocast=self._autocast,
         )
         self.config.check_best_metric(metrics)
+        if metrics:
+            build.plateau_step(self.config, self.scheduler, metrics)
         if metrics:
             self._bar.print(f"step {self.step} epoch {self.epoch}: {format_metrics(metrics)}")
             if self._log:

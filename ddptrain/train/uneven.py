@@ -156,8 +156,7 @@ def _train_step(trainer: Trainer, chunk: list[Any], join: Any) -> tuple[float, s
         return float(total), "deferred"
     if not trainer._optimizer_step():
         return float(total), "nonfinite"
-    if trainer.scheduler is not None:
-        trainer.scheduler.step()
+    trainer._step_scheduler()
     return float(total), "stepped"
 
 

@@ -245,3 +245,29 @@ def test_zero_stage_1_trains_and_resumes_like_stage_0(tmp_path):
     print(f"zero_stage=1, resume 2 -> 3: max|diff| = {diff:.3g}")
     # As in test_resume_at_another_world_size: ws=3 sums gradients in another order.
     assert diff < 1e-5
+
+
+class _PlateauTrainer(ToyTrainer):
+    """ReduceLROnPlateau (patience 0, factor 0.5) on an evaluation whose loss never improves."""
+
+    def configure_optimizers(self, model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        return opt, plateau
+
+    def validation_step(self, model, batch):
+        return {"loss": torch.tensor(float(len(batch[0])))}  # eval_loss 1.0 at every evaluation
+
+
+def _fit_plateau(config) -> float:
+    trainer = _PlateauTrainer(config)
+    trainer.fit()
+    return trainer.optimizer.param_groups[0]["lr"]
+
+
+def test_reduce_lr_on_plateau_steps_after_each_evaluation_with_its_metric(tmp_path):
+    """A ReduceLROnPlateau is stepped with eval_loss after each evaluation, not per step (which
+    raised TypeError): 4 evaluations of a flat loss halve the lr 3 times."""
+    cfg = TrainerConfig(global_batch_size=12, max_steps=8, eval_every_steps=2, progress_bar=False)
+    [lr] = ddptrain.spawn(_fit_plateau, 1, cfg, timeout_s=120)
+    assert lr == 0.1 * 0.5**3
