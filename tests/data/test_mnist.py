@@ -186,14 +186,21 @@ def test_download_files_checks_md5_and_falls_back_to_the_next_mirror(tmp_path):
     assert list(dest.iterdir()) == []
 
 
-def test_download_true_fetches_then_loads_the_split(tmp_path, monkeypatch):
-    """mnist(root, download=True) downloads into root/MNIST/raw/ and loads what it fetched."""
+def _serve_split(tmp_path: Path, monkeypatch, prefix: str, n: int) -> dict[str, str]:
+    """A file:// mirror of a synthetic split as mnist()'s only mirror, without torchvision;
+    returns the files' MD5s."""
     monkeypatch.setitem(sys.modules, "torchvision", None)
     server = tmp_path / "server"
-    write_split(server, "train", 40)
+    write_split(server, prefix, n)
     md5 = {p.name: _md5(p) for p in server.iterdir()}
     spec = dataclasses.replace(ddptrain.data.idx._MNIST, mirrors=(server.as_uri() + "/",), md5=md5)
     monkeypatch.setattr(ddptrain.data.idx, "_MNIST", spec)
+    return md5
+
+
+def test_download_true_fetches_then_loads_the_split(tmp_path, monkeypatch):
+    """mnist(root, download=True) downloads into root/MNIST/raw/ and loads what it fetched."""
+    md5 = _serve_split(tmp_path, monkeypatch, "train", 40)
     ds = mnist(tmp_path / "root", download=True)
     assert len(ds) == 40
     assert sorted(p.name for p in (tmp_path / "root/MNIST/raw").iterdir()) == sorted(md5)
@@ -201,12 +208,7 @@ def test_download_true_fetches_then_loads_the_split(tmp_path, monkeypatch):
 
 def test_download_true_expands_a_tilde_in_root(tmp_path, monkeypatch):
     """mnist("~/data", download=True) fetches into $HOME/data, not into a folder named "~"."""
-    monkeypatch.setitem(sys.modules, "torchvision", None)
-    server = tmp_path / "server"
-    write_split(server, "t10k", 20)
-    md5 = {p.name: _md5(p) for p in server.iterdir()}
-    spec = dataclasses.replace(ddptrain.data.idx._MNIST, mirrors=(server.as_uri() + "/",), md5=md5)
-    monkeypatch.setattr(ddptrain.data.idx, "_MNIST", spec)
+    _serve_split(tmp_path, monkeypatch, "t10k", 20)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
