@@ -341,9 +341,11 @@ def is_main() -> bool:
 
 
 def print0(*args: object, **kwargs: object) -> None:
-    """print() on rank 0 only."""
+    """print() on rank 0 only, as one write (processes sharing a terminal do not interleave
+    inside the line)."""
     if is_main():
-        print(*args, **kwargs, flush=True)
+        sep, end = kwargs.pop("sep", " "), kwargs.pop("end", "\n")
+        print(sep.join(map(str, args)) + end, end="", **kwargs, flush=True)
 
 
 def _reduce(value: float | torch.Tensor, average: bool) -> float | torch.Tensor:

@@ -133,6 +133,19 @@ def test_guide_recipe_flag_table_names_every_flag_of_the_recipe(capsys):
     assert offered == documented
 
 
+def test_guide_recipe_usage_block_is_the_recipes_usage(capsys):
+    """The usage text pasted in the guide is what `recipes/mnist.py --help` prints (compared
+    word by word: the line breaks follow the terminal's width)."""
+    with pytest.raises(SystemExit):
+        _load_recipe().parse_args(["--help"])
+    usage = capsys.readouterr().out.split("\n\n", 1)[0]
+    text = (ROOT / "docs" / "guide.md").read_text()
+    pasted = re.search(r"```\n(usage: mnist\.py .*?)```", text, flags=re.DOTALL)
+    assert pasted is not None, "docs/guide.md: no ``` block starting 'usage: mnist.py'"
+    # Past "usage: PROG": the program name is pytest's here.
+    assert pasted.group(1).split()[2:] == usage.split()[2:]
+
+
 def test_design_module_map_names_every_module():
     """docs/design.md's map of ddptrain/ names each module file and no other (plot/ as a whole)."""
     text = (ROOT / "docs" / "design.md").read_text()

@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--per-rank-batch", type=int, nargs="+", default=[8, 32])
-    p.add_argument("--width", type=int, default=3, help="LeNet width (3: the recipe's 30-60-150)")
+    p.add_argument(
+        "--width", type=int, default=3, help="LeNet width (3: 30-60-150, the recipe's old default)"
+    )
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--block", type=int, default=5)

@@ -251,7 +251,13 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options; --quick shrinks everything to a smoke run."""
-    p = argparse.ArgumentParser(prog="python -m ddptrain.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m ddptrain.bench",
+        description=__doc__.split("\n")[0],
+        epilog="Other modes, each with its own --help: --recipe (the whole recipe run against "
+        "the standard stack and the no-communication floor), --memory (peak RSS per rank), "
+        "--two-hosts (step times across two network namespaces; root).",
+    )
     p.add_argument(
         "--world-size", type=int, default=None, help="ranks to spawn (default 2; a launcher's own)"
     )
