@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 import torch
@@ -94,7 +95,8 @@ class MNISTTrainer(Trainer):
         try:
             download_mnist(self.args.data_dir, [self.args.mirror] if self.args.mirror else None)
         except DownloadError as e:
-            raise DownloadError(f"{e}; {_offline_hint(self.info.world_size)}") from None
+            hint = _offline_hint(self.info.world_size, self.info.launcher, sys.argv[1:])
+            raise DownloadError(f"{e}; {hint}") from None
 
     def _load(self):
         load = mnist if self.args.dataset == "mnist" else fashion_mnist
@@ -122,9 +124,22 @@ class MNISTTrainer(Trainer):
         }
 
 
-def _offline_hint(world_size: int) -> str:
-    launch = f"torchrun --standalone --nproc_per_node={world_size}" if world_size > 1 else "python"
-    command = f"{launch} {sys.argv[0]} --dataset fashion-mnist"
+def _offline_hint(world_size: int, launcher: str, flags: list[str]) -> str:
+    """The same run on Fashion-MNIST: the user's flags kept, under the launcher they used."""
+    kept, skip = [], False
+    for flag in flags:
+        if skip or flag == "--dataset" or flag.startswith("--dataset="):
+            skip = flag == "--dataset"
+            continue
+        kept.append(flag)
+    recipe = shlex.join([sys.argv[0], *kept, "--dataset", "fashion-mnist"])
+    if launcher in ("torchrun", "single", "spawn"):
+        launch = (
+            f"torchrun --standalone --nproc_per_node={world_size}" if world_size > 1 else "python"
+        )
+        command = f"{launch} {recipe}"
+    else:
+        command = f"your {launcher} command with {recipe}"
     if DEBIAN_FASHION_MNIST.is_dir():
         return f"or train offline on Fashion-MNIST, installed here: {command}"
     install = "apt-get install -y dataset-fashion-mnist"

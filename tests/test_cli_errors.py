@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,11 +183,32 @@ RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "mnist.py"
 CLI_SECTION = "From the command line"
 
 
-def _recipe_main() -> Callable[[list[str]], int]:
+def _recipe_module():
     spec = importlib.util.spec_from_file_location("mnist_recipe", RECIPE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main
+    return module
+
+
+def _recipe_main() -> Callable[[list[str]], int]:
+    return _recipe_module().main
+
+
+def test_offline_hint_keeps_the_users_flags_and_launcher(monkeypatch):
+    """The Fashion-MNIST command the offline error suggests is the user's own run (its flags,
+    its launcher) with --dataset fashion-mnist instead of theirs."""
+    hint = _recipe_module()._offline_hint
+    monkeypatch.setattr(sys, "argv", ["recipes/mnist.py"])
+    flags = ["--dataset", "mnist", "--dry-run", "--log-dir", "runs/a b"]
+    under_mpi = hint(2, "mpi", flags)
+    assert under_mpi.endswith(
+        "your mpi command with recipes/mnist.py --dry-run --log-dir 'runs/a b' --dataset "
+        "fashion-mnist"
+    )
+    assert hint(2, "torchrun", ["--dataset=mnist"]).endswith(
+        "torchrun --standalone --nproc_per_node=2 recipes/mnist.py --dataset fashion-mnist"
+    )
+    assert hint(1, "single", []).endswith("python recipes/mnist.py --dataset fashion-mnist")
 
 
 @dataclass(frozen=True)
