@@ -138,6 +138,9 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self._params)
         ]
+        # Each parameter's AccumulateGrad node, held so that it stays the one autograd uses:
+        # a slot is claimed only in a backward that will run it (not torch.autograd.grad).
+        self._grad_accs = [p.view_as(p).grad_fn.next_functions[0][0] for p in self._params]
         self._sync = True
         self._index_of = {id(p): i for i, p in enumerate(self._params)}
         # The mode costs ~1 us of Python per torch call in the forward: entered only for large
@@ -283,6 +286,8 @@ class DistributedDataParallel(nn.Module):
             return None
         if param.grad is not None or step.claimed[index] or _has_other_hooks(param):
             return None
+        if not _will_accumulate(self._grad_accs[index]):
+            return None  # torch.autograd.grad, or backward(inputs=) without this parameter
         step.claimed[index] = True
         return self._views[index], 1.0 / step.divisor
 
@@ -429,6 +434,16 @@ class DistributedDataParallel(nn.Module):
 
 
 DDP = DistributedDataParallel
+
+
+def _will_accumulate(grad_acc: Any) -> bool:
+    """Whether the running backward will accumulate into .grad through this AccumulateGrad."""
+    try:
+        return torch._C._will_engine_execute_node(grad_acc)
+    except RuntimeError:
+        # torch refuses the question for a leaf during torch.autograd.grad(), which returns
+        # gradients and accumulates none.
+        return False
 
 
 def _has_other_hooks(param: torch.Tensor) -> bool:

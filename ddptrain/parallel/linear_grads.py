@@ -21,7 +21,8 @@ memory it alone holds, and the bucket holds the slot's), so the hook sees a tens
 the slot and corrects: slot + scale * (sum - slot). The slot is not claimed, and the backward
 returns what autograd would, when writing there would change what anyone sees: a `.grad` to
 accumulate into (no_sync, zero_grad(set_to_none=False)), create_graph, hooks on the parameter
-(they must see the local gradient), a slot already claimed in this backward. Autocast, other
+(they must see the local gradient), a slot already claimed in this backward, a backward that
+does not accumulate into this parameter (torch.autograd.grad, backward(inputs=...)). Autocast, other
 dtypes, N-D inputs that are not contiguous, calls under torch.func transforms and calls
 while saved-tensor hooks are active (non-reentrant activation checkpointing) are not
 intercepted.

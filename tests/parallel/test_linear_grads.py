@@ -238,8 +238,25 @@ def _case_third(info) -> dict:
     return {"bitwise": all(torch.equal(a, b) for a, b in pairs)}
 
 
+def _case_autograd_grad(info) -> dict:
+    """torch.autograd.grad through the wrapper: it returns the local gradient and claims no slot
+    (an adversarial-training step: input gradient first, then the usual backward)."""
+
+    def adversarial(model, x, y):
+        x = x.clone().requires_grad_(True)
+        (gx,) = torch.autograd.grad(_ce(model, x, y), x)
+        return _ce(model, (x + 0.1 * gx.sign()).detach(), y)
+
+    ours, plain = DistributedDataParallel(_mlp()), _mlp()
+    x, y = _batch(0, info.rank)
+    (mine,) = torch.autograd.grad(_ce(ours, x, y), ours.module[2].weight)
+    (local,) = torch.autograd.grad(_ce(plain, x, y), plain[2].weight)
+    return {"weight_grad_is_local": torch.equal(mine, local), **_pair(info.rank, adversarial)}
+
+
 CASES = {
     "in_slots": _case_in_slots,
+    "autograd_grad": _case_autograd_grad,
     "penalty": _case_penalty,
     "hook": _case_hook,
     "no_sync": _case_no_sync,
@@ -280,6 +297,14 @@ def test_cases_that_keep_autograds_tensor_equal_official_ddp_bitwise(case):
         assert r["bitwise"]
         if case == "hook":
             assert r["hook_sees_local"]
+
+
+def test_autograd_grad_through_the_wrapper_returns_local_gradients_and_spoils_no_slot():
+    """torch.autograd.grad (w.r.t. a weight, or the input before a backward as in adversarial
+    training) equals the plain model's, and the next backward equals official DDP's bitwise."""
+    for r in worlds.outcome(world(2), "autograd_grad"):
+        assert r["weight_grad_is_local"]
+        assert r["bitwise"], r["worst_ulps"]
 
 
 def test_checkpointed_and_vmapped_layers_equal_official_ddp_bitwise():
