@@ -169,6 +169,17 @@ def _backward_twice(case_dir: Path) -> None:
     loss.backward()
 
 
+def _backward_outside_no_sync(case_dir: Path) -> None:
+    model = ddptrain.DDP(nn.Linear(4, 4))
+    with model.no_sync():
+        loss = model(torch.randn(2, 4)).sum()
+    loss.backward()
+
+
+def _comm_hook_not_callable(case_dir: Path) -> None:
+    ddptrain.DDP(nn.Linear(4, 4), comm_hook=3)
+
+
 def _create_graph(case_dir: Path) -> None:
     model = ddptrain.DDP(nn.Linear(4, 4))
     model(torch.randn(2, 4)).pow(2).sum().backward(create_graph=True)
@@ -451,6 +462,18 @@ CASES: dict[str, Case] = {
         "backward was called twice on one forward under DistributedDataParallel"
         f"{GAP}Run a new forward before each backward",
         _backward_twice,
+    ),
+    "backward-outside-no-sync": Case(
+        RuntimeError,
+        "gradient of 'bias' arrived in a backward outside no_sync() whose forward ran inside it"
+        f"{GAP}Run the forward and its backward both inside no_sync() (to accumulate) or both "
+        "outside (to synchronize)",
+        _backward_outside_no_sync,
+    ),
+    "comm-hook-not-callable": Case(
+        TypeError,
+        f"comm_hook must be a hook (callable) or one of default{GAP}got int",
+        _comm_hook_not_callable,
     ),
     "create-graph": Case(
         RuntimeError,

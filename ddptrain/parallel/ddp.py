@@ -53,7 +53,13 @@ from ddptrain.parallel.buckets import (
     mb_to_bytes,
 )
 from ddptrain.parallel.buffers import ModelBuffers
-from ddptrain.parallel.comm import allreduce_hook, default_transport, local_hook
+from ddptrain.parallel.comm import (
+    HOOK_NAMES,
+    allreduce_hook,
+    default_transport,
+    local_hook,
+    make_hook,
+)
 from ddptrain.parallel.layout import CAST_CHUNK, scale_into_narrower, view_like
 from ddptrain.parallel.linear_grads import LinearSlots, slot_params
 from ddptrain.parallel.replicas import broadcast_coalesced, coalesce, verify_same_model
@@ -98,7 +104,7 @@ class DistributedDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         process_group: Any = None,
         gradient_as_bucket_view: bool = True,
-        comm_hook: CommHook | None = None,
+        comm_hook: CommHook | str | None = None,
         rebuild_buckets: bool = True,
     ) -> None:
         super().__init__()
@@ -112,6 +118,15 @@ class DistributedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.broadcast_buffers = broadcast_buffers
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        if comm_hook == "default":
+            comm_hook = None
+        elif isinstance(comm_hook, str):
+            comm_hook = make_hook(comm_hook, process_group)  # a name, as TrainerConfig takes
+        elif comm_hook is not None and not callable(comm_hook):
+            raise TypeError(
+                f"comm_hook must be a hook (callable) or one of default, {', '.join(HOOK_NAMES)}"
+                f", got {type(comm_hook).__name__}"
+            )
         self.comm_hook: CommHook = comm_hook or _default_hook(module, process_group)
         self._named_params = list(module.named_parameters())
         # Sizes of every module's parameter and child dicts, checked each forward: far cheaper
@@ -235,6 +250,8 @@ class DistributedDataParallel(nn.Module):
             if self._linear_slots is not None and not torch.compiler.is_compiling():
                 with self._linear_slots:
                     return self.module(*args, **kwargs)
+        elif torch.is_grad_enabled():
+            self._step.no_sync_forward = True
         return self.module(*args, **kwargs)
 
     def _parameters_changed(self) -> bool:
@@ -296,6 +313,13 @@ class DistributedDataParallel(nn.Module):
         step.used[index] = True
         if not self._sync:
             return
+        if not step.armed and step.no_sync_forward:
+            raise RuntimeError(
+                f"gradient of '{self._param_names[index]}' arrived in a backward outside "
+                "no_sync() whose forward ran inside it: the forward decides whether gradients "
+                "are averaged. Run the forward and its backward both inside no_sync() (to "
+                "accumulate) or both outside (to synchronize)"
+            )
         if not step.armed:
             raise RuntimeError(
                 f"gradient of '{self._param_names[index]}' arrived with no forward pass since the "

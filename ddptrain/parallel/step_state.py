@@ -17,6 +17,7 @@ class StepState:
         "claimed",
         "divisor",
         "next_bucket",
+        "no_sync_forward",
         "pending",
         "ready",
         "sync_buffers",
@@ -30,6 +31,8 @@ class StepState:
         self.divisor = divisor
         self.callback_queued = False
         self.next_bucket = 0
+        # A forward with grad enabled ran under no_sync() since the last synchronized backward.
+        self.no_sync_forward = False
         self.pending = list(bucket_lens)
         self.ready = [False] * n_params
         # Bucket slots handed to autograd as a gradient's output (linear_grads.py).

@@ -110,7 +110,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         The result shares `optimizer.param_groups`, so an LR scheduler built on `optimizer`
         still steers it; step the result, never `optimizer`.
         """
-        if optimizer.state:
+        if _has_stepped(optimizer):
             raise ValueError(
                 "from_optimizer needs an optimizer that has not stepped yet; load its "
                 "state_dict() into the result instead"
@@ -359,3 +359,13 @@ def _first_difference(a: list[list[tuple]], b: list[list[tuple]]) -> str:
         if len(x) != len(y):
             return f"{len(x)} parameters in group {g}"
     return "the same"
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` holds state from a step: any state without a zero "step" count
+    (Adagrad fills its state, step 0, when it is built)."""
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if step is None or float(step) > 0:
+            return True
+    return False

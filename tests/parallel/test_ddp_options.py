@@ -18,7 +18,6 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import ddptrain
 import toy_models
 import worlds
-from ddptrain.parallel.comm import make_hook
 from ddptrain.parallel.ddp import DistributedDataParallel
 
 # A spawned world runs many cases, so its first test waits for all of them: generous bounds
@@ -79,6 +78,7 @@ def _one_step(model_name: str, rank: int, channels_last: bool = False, **options
         "ours": _worst_ulps(ours.module, plain),
         "official": _worst_ulps(theirs.module, plain),
         "n_buckets": len(ours.bucket_sizes_bytes),
+        "hook": type(ours.comm_hook).__name__,
         "dtypes": sorted({str(p.dtype) for p in ours.parameters()}),
         # Per parameter: (NHWC weight, .grad laid out as the weight, .grad inside a bucket).
         "layouts": [
@@ -111,7 +111,8 @@ def _case_channels_last(info) -> dict:
 
 
 def _case_channels_last_bf16(info) -> dict:
-    return _one_step("lenet_nodrop", info.rank, channels_last=True, comm_hook=make_hook("bf16"))
+    # By name, as TrainerConfig takes it: the wrapper builds the hook.
+    return _one_step("lenet_nodrop", info.rank, channels_last=True, comm_hook="bf16")
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +154,7 @@ def test_channels_last_with_bf16_buckets_pairs_each_element_with_its_own(world):
         print(f"channels_last bf16 buckets: worst {worst / 2**16:.3g} bf16 ulps")
         assert worst <= bf16_bound
         assert all(same for _, same, _ in r["layouts"]), r["layouts"]
+        assert r["hook"] == "CastHook", "comm_hook='bf16' was not built from its name"
 
 
 def _case_broadcast_buffers(info) -> dict:

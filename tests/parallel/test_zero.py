@@ -374,3 +374,23 @@ def test_one_process_without_a_process_group():
             opt.step()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert _state_diff(zero.state_dict(), plain.state_dict()) == 0.0
+
+
+@pytest.mark.parametrize("kind", [torch.optim.Adagrad, torch.optim.AdamW, torch.optim.SGD])
+def test_from_optimizer_takes_a_fresh_optimizer_even_one_that_fills_state_when_built(kind):
+    """from_optimizer accepts any optimizer that has not stepped (Adagrad builds its state,
+    step 0, in __init__), trains like it, and refuses one that has stepped."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    b.load_state_dict(a.state_dict())
+    options = {"lr": 0.1, "momentum": 0.9} if kind is torch.optim.SGD else {"lr": 0.1}
+    zero = ZeroRedundancyOptimizer.from_optimizer(kind(a.parameters(), **options))
+    plain = kind(b.parameters(), **options)
+    for _ in range(3):
+        for model, opt in ((a, zero), (b, plain)):
+            opt.zero_grad()
+            model(torch.ones(2, 5)).sum().backward()
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    with pytest.raises(ValueError, match="from_optimizer needs an optimizer that has not stepped"):
+        ZeroRedundancyOptimizer.from_optimizer(plain)
