@@ -186,16 +186,43 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
+# CPU flags that decide which kernels torch runs: the same model name ("AMD EPYC") covers VMs
+# whose step times differ by 3x, so the JSON keeps what tells them apart.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_description(cpuinfo: str) -> dict[str, Any]:
+    """Model name, family/model/stepping and kernel-relevant flags of the first CPU listed in
+    /proc/cpuinfo's text (pure; absent fields are None)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block is enough: a VM's vCPUs are alike
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    family, model, stepping = (fields.get(k) for k in ("cpu family", "model", "stepping"))
+    return {
+        "cpu": fields.get("model name"),
+        "cpu_id": f"family {family} model {model} stepping {stepping}" if family else None,
+        "cpu_flags": [f for f in KERNEL_FLAGS if f in flags],
+    }
+
+
 def machine() -> dict[str, Any]:
-    """The CPU, core count, platform and library versions the numbers were taken on."""
-    cpu = platform.processor()
+    """The CPU (model, family, flags and the kernels torch picked), core count, platform and
+    library versions the numbers were taken on."""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
+            cpu = cpu_description(f.read())
+    except OSError:
+        cpu = cpu_description("")
+    cpu["cpu"] = cpu["cpu"] or platform.processor()
     return {
-        "cpu": cpu,
+        **cpu,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),

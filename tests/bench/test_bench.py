@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from ddptrain.bench import report as bench_report
 from ddptrain.bench import steps as bench
@@ -88,3 +89,39 @@ def test_lenet_recipe_model_is_the_recipes_default_model_and_batch():
         assert p.shape == q.shape and p.stride() == q.stride(), name  # channels_last alike
     assert batch == flags.global_batch_size // 2
     assert shape == (1, 28, 28)
+
+
+ZEN1 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 23
+model\t\t: 1
+model name\t: AMD EPYC
+stepping\t: 2
+flags\t\t: fpu sse2 avx fma avx2 sha_ni
+
+processor\t: 1
+model name\t: another CPU
+"""
+SAPPHIRE = "model name\t: Intel(R) Xeon(R) Processor\ncpu family\t: 6\nmodel\t\t: 143\n"
+SAPPHIRE += "stepping\t: 8\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+
+
+def test_cpu_description_tells_apart_vms_with_the_same_model_name():
+    """The first CPU's family/model/stepping and kernel flags are kept, in KERNEL_FLAGS order."""
+    zen1 = bench_report.cpu_description(ZEN1)
+    assert zen1 == {
+        "cpu": "AMD EPYC",
+        "cpu_id": "family 23 model 1 stepping 2",
+        "cpu_flags": ["avx2"],
+    }
+    xeon = bench_report.cpu_description(SAPPHIRE)
+    assert xeon["cpu_id"] == "family 6 model 143 stepping 8"
+    assert xeon["cpu_flags"] == ["avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]
+    assert bench_report.cpu_description("") == {"cpu": None, "cpu_id": None, "cpu_flags": []}
+
+
+def test_machine_records_the_kernels_torch_picked():
+    """machine() names a CPU and the vector ISA torch dispatches to on this machine."""
+    info = bench_report.machine()
+    assert info["cpu"] and info["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert set(info["cpu_flags"]) <= set(bench_report.KERNEL_FLAGS)
