@@ -2,7 +2,8 @@
 
     python -m ddptrain.bench --recipe                   # world size 2, one epoch each (235 steps)
     python -m ddptrain.bench --recipe --quick           # smoke run (seconds)
-    python -m ddptrain.bench --recipe --world-size 3 --epochs 2 --repeats 2 --out bench-results/r3
+    python -m ddptrain.bench --recipe --world-size 3 --recipe-args "--global-batch-size 252" \
+        --epochs 2 --repeats 2 --out bench-results/r3        # the global batch splits over ranks
     python -m ddptrain.bench --recipe --recipe-args "--width 1 --global-batch-size 128"
 
 Same data (Fashion-MNIST from /usr/share/datasets/fashion-mnist, else synthetic images of its
@@ -47,6 +48,7 @@ import ddptrain
 from ddptrain.bench.report import machine
 from ddptrain.cli import UsageError
 from ddptrain.data.idx import DEBIAN_FASHION_MNIST, IDXDataset, fashion_mnist
+from ddptrain.train.config import ConfigError
 
 VARIANTS = ("ddptrain", "standard", "floor")
 RECIPE_PATH = Path(__file__).resolve().parents[2] / "recipes" / "mnist.py"
@@ -318,6 +320,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         # The recipe's parser names the running program (here the bench) in its hint.
         problem = str(e).rsplit(" (see ", 1)[0]
         p.error(f"--recipe-args: {problem} (see python recipes/mnist.py --help)")
+    try:  # the Trainer's own check, once here instead of a traceback from every rank
+        _load_recipe().build_config(recipe_flags).check_world_size(args.world_size)
+    except ConfigError as e:
+        p.error(f"--world-size {args.world_size}: {e}; set it with --recipe-args")
     args.model = recipe_flags.model
     args.variants = [v for v in args.variants.split(",") if v]
     if unknown := [v for v in args.variants if v not in VARIANTS]:

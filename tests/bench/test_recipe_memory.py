@@ -7,6 +7,7 @@ its JSON holds every figure, derived from the measured ones as documented.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -60,6 +61,21 @@ def test_recipe_args_take_a_lone_flag_and_bad_ones_fail_in_the_parent(capsys):
     err = capsys.readouterr().err
     assert "--recipe-args: unrecognized arguments: --widht 3" in err
     assert "Traceback" not in err
+
+
+def test_recipe_world_size_that_does_not_split_the_batch_fails_in_the_parent(capsys):
+    """--world-size 3 with the default global batch of 256 is one usage error naming the fix,
+    before any rank starts; a batch that splits is accepted."""
+    with pytest.raises(SystemExit) as exited:
+        recipe.parse_args(["--recipe", "--world-size", "3"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--world-size 3: global_batch_size 256 is not divisible by world_size 3" in err
+    assert "e.g. 255 or 258" in err and "--recipe-args" in err
+    args = recipe.parse_args(
+        ["--recipe", "--world-size", "3", "--recipe-args", "--global-batch-size 252"]
+    )
+    assert args.world_size == 3 and args.steps == math.ceil(60_000 / 252)
 
 
 def test_recipe_summary_counts_sync_worlds_by_slowest_rank_and_sums_the_floor():
