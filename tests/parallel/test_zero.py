@@ -149,6 +149,16 @@ def _state_diff(a: dict, b: dict) -> float:
     return worst
 
 
+def _train_alike(a: torch.nn.Module, zero, b: torch.nn.Module, plain) -> None:
+    """Three identical steps of `a` under `zero` and `b` under `plain`; asserts equal weights."""
+    for _ in range(3):
+        for model, opt in ((a, zero), (b, plain)):
+            opt.zero_grad()
+            model(torch.ones(2, 5)).sum().backward()
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
 def _state_elements(opt: torch.optim.Optimizer) -> int:
     values = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return sum(v.numel() for v in values if v.dim() > 0)
@@ -367,12 +377,7 @@ def test_one_process_without_a_process_group():
     b.load_state_dict(a.state_dict())
     zero = ZeroRedundancyOptimizer(a.parameters(), torch.optim.AdamW, lr=0.1)
     plain = torch.optim.AdamW(b.parameters(), lr=0.1)
-    for _ in range(3):
-        for model, opt in ((a, zero), (b, plain)):
-            opt.zero_grad()
-            model(torch.ones(2, 5)).sum().backward()
-            opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    _train_alike(a, zero, b, plain)
     assert _state_diff(zero.state_dict(), plain.state_dict()) == 0.0
 
 
@@ -386,11 +391,6 @@ def test_from_optimizer_takes_a_fresh_optimizer_even_one_that_fills_state_when_b
     options = {"lr": 0.1, "momentum": 0.9} if kind is torch.optim.SGD else {"lr": 0.1}
     zero = ZeroRedundancyOptimizer.from_optimizer(kind(a.parameters(), **options))
     plain = kind(b.parameters(), **options)
-    for _ in range(3):
-        for model, opt in ((a, zero), (b, plain)):
-            opt.zero_grad()
-            model(torch.ones(2, 5)).sum().backward()
-            opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    _train_alike(a, zero, b, plain)
     with pytest.raises(ValueError, match="from_optimizer needs an optimizer that has not stepped"):
         ZeroRedundancyOptimizer.from_optimizer(plain)
