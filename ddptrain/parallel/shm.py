@@ -20,6 +20,7 @@ bucket, buffer broadcasts), which the waiting thread runs itself.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
@@ -80,12 +81,14 @@ class SharedMemoryHook:
         dist.broadcast_object_list(box, src=global_rank(self.group, 0), group=self.group)
         self._prefix = os.path.join(SHM_DIR, f"ddptrain-{box[0]}")
         self._allocations = 0
-        self._shared: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        # Per shared bucket (by its row's address), while that row lives: the rows to sum.
+        self._shared: dict[int, _SharedRows] = {}
         self._runner = OrderedRunner("ddptrain-shm")
         self._barrier: _SharedBarrier | None = None
         # broadcast(): per tensor layout, a shared file of two byte slots and the calls so far.
         self._staging: dict[tuple, torch.Tensor | None] = {}
         self._broadcasts = 0
+        self._plan: _BroadcastPlan | None = None
         if self.world_size > 1:
             size = self.world_size * _COUNTER_STRIDE
             counters = self._runner.submit(self._map, size, torch.int64).wait()
@@ -124,7 +127,9 @@ class SharedMemoryHook:
         if flat is None:
             return torch.zeros(numel, dtype=dtype)
         row = flat[self.rank * numel : (self.rank + 1) * numel]
-        self._shared[row.data_ptr()] = flat
+        self._shared[row.data_ptr()] = _SharedRows(flat, self.rank, self.world_size)
+        # Forgotten with the row: the file is unmapped once no bucket uses it.
+        weakref.finalize(row, self._shared.pop, row.data_ptr(), None)
         return row
 
     def _map(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -160,34 +165,23 @@ class SharedMemoryHook:
         if self.world_size == 1:
             return Done()
         self._check_open()
-        flat = self._shared.get(bucket.data_ptr())
-        if flat is None or flat.numel() != self.world_size * bucket.numel():
+        rows = self._shared.get(bucket.data_ptr())
+        if rows is None or rows.numel != bucket.numel():
             return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return self._runner.submit(self._reduce, bucket, flat, wake=not on_wait)
+        return self._runner.submit(self._reduce, bucket, rows, wake=not on_wait)
 
-    def _reduce(self, bucket: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    def _reduce(self, bucket: torch.Tensor, rows: _SharedRows) -> torch.Tensor:
         # Runs on the worker thread (overlapping backward) or on the thread that waits.
         with profiling.mark("ddptrain.shm_reduce", bucket.numel()):
-            return self._reduce_rows(bucket, flat)
-
-    def _reduce_rows(self, bucket: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        barrier = self._barrier
-        spin = self._runner.on_waiting_thread()
-        numel = bucket.numel()
-        rows = flat.view(self.world_size, numel)
-        lo = numel * self.rank // self.world_size
-        hi = numel * (self.rank + 1) // self.world_size
-        barrier.wait(spin)
-        if hi > lo:
-            mine = rows[self.rank, lo:hi]
-            for k in range(self.world_size):
-                if k != self.rank:
-                    mine.add_(rows[k, lo:hi])
-            for k in range(self.world_size):
-                if k != self.rank:
-                    rows[k, lo:hi].copy_(mine)
-        barrier.wait(spin)
-        return bucket
+            spin = self._runner.on_waiting_thread()
+            self._barrier.wait(spin)
+            if rows.mine is not None:
+                for other in rows.others:
+                    rows.mine.add_(other)
+                for other in rows.others:
+                    other.copy_(rows.mine)
+            self._barrier.wait(spin)
+            return bucket
 
     def broadcast(self, tensors: list[torch.Tensor], src: int) -> bool:
         """Collective: copy rank `src`'s `tensors` into every rank's, through shared memory.
@@ -213,6 +207,17 @@ class SharedMemoryHook:
         self._check_open()
         if self._barrier is None or not tensors:
             return None
+        plan = self._plan
+        if plan is None or not plan.serves(tensors):
+            plan = self._plan = self._plan_broadcast(tensors)
+        if plan is None:
+            return None
+        parity = self._broadcasts % 2
+        self._broadcasts += 1
+        # Waited on at once by the caller, so it runs there (see call_on_wait).
+        return self._runner.submit(self._broadcast_bytes, plan, parity, src, wake=False)
+
+    def _plan_broadcast(self, tensors: list[torch.Tensor]) -> _BroadcastPlan | None:
         if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
             return None
         key = tuple((t.dtype, t.numel()) for t in tensors)
@@ -220,21 +225,15 @@ class SharedMemoryHook:
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
             self._staging[key] = self._runner.submit(self._map, 2 * nbytes, torch.uint8).wait()
         staging = self._staging[key]
-        if staging is None:
-            return None
-        slot = staging.view(2, -1)[self._broadcasts % 2]
-        self._broadcasts += 1
-        # Waited on at once by the caller, so it runs there (see call_on_wait).
-        return self._runner.submit(self._broadcast_bytes, tensors, slot, src, wake=False)
+        return None if staging is None else _BroadcastPlan(tensors, staging)
 
-    def _broadcast_bytes(self, tensors: list[torch.Tensor], slot: torch.Tensor, src: int) -> None:
+    def _broadcast_bytes(self, plan: _BroadcastPlan, parity: int, src: int) -> None:
         # One op each way, not one per tensor: a model has a few buffers per norm layer.
-        as_bytes = [t.view(-1).view(torch.uint8) for t in tensors]
         if self.rank == src:
-            torch.cat(as_bytes, out=slot)
+            torch.cat(plan.as_bytes, out=plan.slots[parity])
         self._barrier.wait(self._runner.on_waiting_thread())
         if self.rank != src:
-            torch._foreach_copy_(as_bytes, slot.split([b.numel() for b in as_bytes]))
+            torch._foreach_copy_(plan.as_bytes, plan.parts[parity])
 
     def _check_open(self) -> None:
         if self.group is None:
@@ -248,8 +247,46 @@ class SharedMemoryHook:
         hook's group; ddptrain.shutdown() calls it. The hook reduces nothing afterwards."""
         self._runner.close()
         self._barrier = None
+        self._plan = None
         release_group(self.group)
         self.group = None
+
+
+class _SharedRows:
+    """A shared bucket's file as one row per rank, and the slices of chunk `rank` that this
+    rank sums: its own row's first, then the others' by rank (at world size 2 bitwise the
+    backend's a + b). Sliced once per bucket: slicing each step costs ~30 us of dispatch on a
+    slow CPU, more than summing a small bucket."""
+
+    def __init__(self, flat: torch.Tensor, rank: int, world_size: int) -> None:
+        self.numel = numel = flat.numel() // world_size
+        rows = flat.view(world_size, numel)
+        lo, hi = numel * rank // world_size, numel * (rank + 1) // world_size
+        # None: a bucket smaller than the world leaves some ranks no chunk to sum.
+        self.mine = rows[rank, lo:hi] if hi > lo else None
+        self.others = [rows[k, lo:hi] for k in range(world_size) if k != rank]
+
+
+class _BroadcastPlan:
+    """A list of tensors as bytes and the two staging slots split to match, made once and
+    reused while the same tensors come back: a wrapper's buffers, every step. Making the views
+    costs ~0.1 ms of dispatch a call on a slow CPU, more than copying a model's buffers."""
+
+    def __init__(self, tensors: list[torch.Tensor], staging: torch.Tensor) -> None:
+        self.tensors = list(tensors)
+        # A tensor given new memory (`.data = ...`, a resize) must not be served stale views.
+        self.places = [(t.data_ptr(), t.numel()) for t in tensors]
+        self.as_bytes = [t.view(-1).view(torch.uint8) for t in tensors]
+        self.slots = list(staging.view(2, -1))
+        sizes = [b.numel() for b in self.as_bytes]
+        self.parts = [slot.split(sizes) for slot in self.slots]
+
+    def serves(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether `tensors` are this plan's, in the same memory."""
+        return len(tensors) == len(self.tensors) and all(
+            t is mine and (t.data_ptr(), t.numel()) == place
+            for t, mine, place in zip(tensors, self.tensors, self.places, strict=True)
+        )
 
 
 class _SharedBarrier:
@@ -261,8 +298,12 @@ class _SharedBarrier:
     """
 
     def __init__(self, counters: torch.Tensor, rank: int, world_size: int, timeout_s: float):
-        self._mine = counters[rank * _COUNTER_STRIDE : rank * _COUNTER_STRIDE + 1]
-        self._all = counters[::_COUNTER_STRIDE]
+        self._counters = counters  # keeps the memory that _words reads alive
+        # The counters as machine words, read and written from Python directly: a torch op
+        # costs 3-13 us of dispatch on a slow CPU, and a barrier reads them at least once.
+        self._words = (ctypes.c_int64 * counters.numel()).from_address(counters.data_ptr())
+        self._mine = rank * _COUNTER_STRIDE
+        self._others = [r * _COUNTER_STRIDE for r in range(world_size) if r != rank]
         pids = counters[1::_COUNTER_STRIDE].tolist()
         # Peers in another process namespace are invisible from the start: no liveness check.
         self._pids = {r: pid for r, pid in enumerate(pids) if r != rank and _alive(pid)}
@@ -276,11 +317,12 @@ class _SharedBarrier:
     def wait(self, spin: bool = False) -> None:
         """Arrive and wait for every rank; spin: poll for up to _SPIN_S before sleeping."""
         self._arrivals += 1
+        words, arrivals = self._words, self._arrivals
         with self._fence:
-            self._mine.fill_(self._arrivals)
+            words[self._mine] = arrivals
         polls = 0
         began = None
-        while int(self._all.min()) < self._arrivals:
+        while any(words[i] < arrivals for i in self._others):
             polls += 1
             if polls < _SPIN_POLLS:
                 os.sched_yield()
@@ -304,9 +346,8 @@ class _SharedBarrier:
             pass
 
     def _check_peers(self) -> None:
-        arrived = self._all.tolist()
         for rank, pid in self._pids.items():
-            if arrived[rank] < self._arrivals and not _alive(pid):
+            if self._words[rank * _COUNTER_STRIDE] < self._arrivals and not _alive(pid):
                 raise RuntimeError(
                     f"rank {rank} (pid {pid}) exited while the others waited for it at "
                     f"shared-memory barrier #{self._arrivals}"

@@ -39,6 +39,10 @@ def _case_shm_vs_backend(info) -> dict:
         bucket.fill_(info.rank + 1.0)
         hook(bucket, None).wait()
         out["repeat"].append(bucket.clone())
+    # A bucket's file is let go with the bucket: only the last one is still mapped.
+    out["mapped"] = [len(hook._shared)]
+    del bucket
+    out["mapped"].append(len(hook._shared))
     plain = torch.full((3,), float(info.rank))
     hook(plain, None).wait()  # not allocated by the hook: backend all_reduce
     out["plain"] = plain.tolist()
@@ -58,7 +62,7 @@ def _case_shm_vs_backend(info) -> dict:
 @needs_shm
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_shared_memory_all_reduce_equals_backend(world, world_size):
-    """Shared-memory SUM equals dist.all_reduce (bitwise at ws 2), repeats, leaves no files."""
+    """Shared-memory SUM equals dist.all_reduce (bitwise at ws 2), repeats, frees its files."""
     results = worlds.outcome(world(world_size), "shm_vs_backend")
     total = sum(r + 1.0 for r in range(world_size))
     for rank, r in enumerate(results):
@@ -74,6 +78,7 @@ def test_shared_memory_all_reduce_equals_backend(world, world_size):
         assert r["plain"] == [sum(range(world_size))] * 3
         # Under min_bytes a bucket stays private (backend all_reduce); both sum right.
         assert r["default_shared"] == [1, 1000.0 * world_size, [float(world_size)] * 3]
+        assert r["mapped"] == [1, 0], rank
     leftovers = [f for f in os.listdir(SHM_DIR) if f.startswith(os.path.basename(r["prefix"]))]
     assert leftovers == []
 

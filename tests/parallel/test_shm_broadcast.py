@@ -39,6 +39,15 @@ def _case_broadcast(info) -> dict:
         src = call % info.world_size  # every rank in turn, the two slots alternating
         handled = hook.broadcast(tensors, src)
         seen.append((handled, src, [t.clone() for t in tensors]))
+    # The same tensors every call, changed in place between calls, as a wrapper's buffers are.
+    kept, reused = _tensors(info.rank, 0), []
+    for call in range(CALLS):
+        for t, values in zip(kept, _tensors(info.rank, call), strict=True):
+            t.copy_(values)
+        src = (call + 1) % info.world_size
+        reused.append((hook.broadcast(kept, src), src, [t.clone() for t in kept]))
+    kept[0].data = torch.full((5,), 1000.0 + info.rank)  # new memory behind the same tensor
+    moved = (hook.broadcast(kept, 1), kept[0].clone())
     strided = torch.zeros(4, 4).t()
     refused = hook.broadcast([strided], 0)
     # A bf16 hook over shared memory passes buffers through untouched (not cast to bf16).
@@ -48,6 +57,8 @@ def _case_broadcast(info) -> dict:
     hook.close()
     return {
         "seen": seen,
+        "reused": reused,
+        "moved": moved,
         "refused_non_contiguous": refused,
         "cast": (by_cast, precise),
         "cast_to_backend": CastHook(torch.bfloat16).broadcast([precise], 0),
@@ -83,7 +94,7 @@ def world():
 
 @needs_shm
 def test_broadcast_copies_the_source_rank_tensors_on_every_call(world):
-    """Each call leaves src's values (every dtype, 0-dim included) on all ranks, slots reused."""
+    """Each call leaves src's values on all ranks: new tensors, reused ones, moved memory."""
     results = worlds.outcome(world, "broadcast")
     for rank, r in enumerate(results):
         assert len(r["seen"]) == CALLS
@@ -91,6 +102,11 @@ def test_broadcast_copies_the_source_rank_tensors_on_every_call(world):
             assert handled, (rank, call)
             for g, expected in zip(got, _tensors(src, call), strict=True):
                 assert g.dtype == expected.dtype and torch.equal(g, expected), (rank, call, src)
+        for call, (handled, src, got) in enumerate(r["reused"]):
+            assert handled, (rank, call)
+            for g, expected in zip(got, _tensors(src, call), strict=True):
+                assert torch.equal(g, expected), (rank, call, src)
+        assert r["moved"][0] and torch.equal(r["moved"][1], torch.full((5,), 1001.0)), rank
         assert r["refused_non_contiguous"] is False
         by_cast, precise = r["cast"]
         assert by_cast and torch.equal(precise, torch.full((3,), 1.0 + 2.0**-20)), rank
