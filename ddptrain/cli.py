@@ -27,7 +27,8 @@ from typing import TypeVar
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddptrain.data.idx import DownloadError, IDXFormatError
+from ddptrain.data.download import DownloadError
+from ddptrain.data.idx import IDXFormatError
 from ddptrain.dist import LaunchError, parse_env
 from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.config import ConfigError

@@ -55,13 +55,8 @@ from ddptrain.cli import (
     run_alike,
     run_main,
 )
-from ddptrain.data.idx import (
-    DEBIAN_FASHION_MNIST,
-    DownloadError,
-    download_mnist,
-    fashion_mnist,
-    mnist,
-)
+from ddptrain.data.datasets import DEBIAN_FASHION_MNIST, download_mnist, fashion_mnist, mnist
+from ddptrain.data.download import DownloadError
 from ddptrain.models import LeNet
 from ddptrain.train.config import COMM_HOOKS, PRECISIONS, ZERO_STAGES, TrainerConfig
 from ddptrain.train.trainer import Trainer

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.data.idx import DEBIAN_FASHION_MNIST
+from ddptrain.data.datasets import DEBIAN_FASHION_MNIST
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "mnist.py"
 

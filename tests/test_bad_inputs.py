@@ -25,7 +25,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddptrain
-from ddptrain.data.idx import IDXFormatError, mnist
+from ddptrain.data.datasets import mnist
+from ddptrain.data.idx import IDXFormatError
 from ddptrain.dist import INIT_METHOD_ENV
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.config import TrainerConfig

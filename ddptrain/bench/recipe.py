@@ -47,7 +47,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import ddptrain
 from ddptrain.bench.report import machine
 from ddptrain.cli import UsageError
-from ddptrain.data.idx import DEBIAN_FASHION_MNIST, IDXDataset, fashion_mnist
+from ddptrain.data.datasets import DEBIAN_FASHION_MNIST, fashion_mnist
+from ddptrain.data.idx import IDXDataset
 from ddptrain.train.config import ConfigError
 
 VARIANTS = ("ddptrain", "standard", "floor")

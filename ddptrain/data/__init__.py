@@ -1,14 +1,8 @@
 """Data: the resumable sharded sampler, evaluation shards, the partitioner, IDX datasets."""
 
-from ddptrain.data.idx import (
-    DownloadError,
-    IDXDataset,
-    IDXFormatError,
-    download_mnist,
-    fashion_mnist,
-    mnist,
-    read_idx,
-)
+from ddptrain.data.datasets import download_mnist, fashion_mnist, mnist
+from ddptrain.data.download import DownloadError
+from ddptrain.data.idx import IDXDataset, IDXFormatError, read_idx
 from ddptrain.data.sampler import (
     DataPartitioner,
     EvalSampler,

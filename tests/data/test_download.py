@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import ddptrain.data.idx
-from ddptrain.data.idx import DownloadError, download_files, download_mnist, mnist
+import ddptrain.data.datasets
+from ddptrain.data.datasets import download_mnist, mnist
+from ddptrain.data.download import DownloadError, download_files
 from idx_files import (
     MNIST_ROOT,
     MNIST_TEST_LABEL_COUNTS,
@@ -57,8 +58,8 @@ def test_a_corrupt_download_never_takes_the_files_name(tmp_path, monkeypatch):
     """A file with the wrong MD5 is deleted: nothing in dest can later pass as the dataset."""
     write_split(tmp_path / "mirror", "t10k", 10)
     md5 = {name: "0" * 32 for name in T10K}
-    spec = ddptrain.data.idx._MNIST
-    monkeypatch.setattr(ddptrain.data.idx, "_MNIST", type(spec)(**{**vars(spec), "md5": md5}))
+    spec = ddptrain.data.datasets._MNIST
+    monkeypatch.setattr(ddptrain.data.datasets, "_MNIST", type(spec)(**{**vars(spec), "md5": md5}))
     write_split(tmp_path / "data", "train", 20)
     with pytest.raises(DownloadError, match="MD5 [0-9a-f]{32} does not match the expected 0{32}"):
         download_mnist(tmp_path / "data", [(tmp_path / "mirror").as_uri()])
@@ -90,6 +91,6 @@ def test_a_verified_file_is_kept_and_not_fetched_again(tmp_path):
     dest = tmp_path / "raw"
     dest.mkdir()
     shutil.copy(REAL_RAW / T10K[1], dest)
-    md5 = {T10K[1]: ddptrain.data.idx._MNIST.md5[T10K[1]]}
+    md5 = {T10K[1]: ddptrain.data.datasets._MNIST.md5[T10K[1]]}
     download_files(md5, [closed_port_url()], dest)
     assert _files(dest) == [T10K[1]]

@@ -13,16 +13,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import ddptrain.data.idx
-from ddptrain.data.idx import (
-    DEBIAN_FASHION_MNIST,
-    IDXDataset,
-    IDXFormatError,
-    download_files,
-    fashion_mnist,
-    mnist,
-    read_idx,
-)
+import ddptrain.data.datasets
+from ddptrain.data.datasets import DEBIAN_FASHION_MNIST, fashion_mnist, mnist
+from ddptrain.data.download import download_files
+from ddptrain.data.idx import IDXDataset, IDXFormatError, read_idx
 from idx_files import MNIST_ROOT, MNIST_TEST_LABEL_COUNTS, idx_bytes, write_split
 
 needs_mnist = pytest.mark.skipif(
@@ -193,8 +187,9 @@ def _serve_split(tmp_path: Path, monkeypatch, prefix: str, n: int) -> dict[str, 
     server = tmp_path / "server"
     write_split(server, prefix, n)
     md5 = {p.name: _md5(p) for p in server.iterdir()}
-    spec = dataclasses.replace(ddptrain.data.idx._MNIST, mirrors=(server.as_uri() + "/",), md5=md5)
-    monkeypatch.setattr(ddptrain.data.idx, "_MNIST", spec)
+    mirrors = (server.as_uri() + "/",)
+    spec = dataclasses.replace(ddptrain.data.datasets._MNIST, mirrors=mirrors, md5=md5)
+    monkeypatch.setattr(ddptrain.data.datasets, "_MNIST", spec)
     return md5
 
 
@@ -217,7 +212,7 @@ def test_download_true_expands_a_tilde_in_root(tmp_path, monkeypatch):
     assert list((tmp_path / "cwd").iterdir()) == []
 
 
-# The first ten labels of each real split, as ddptrain.data.idx tells the two datasets apart.
+# The first ten labels of each real split, as ddptrain.data.datasets tells the two datasets apart.
 MNIST_FIRST = {"train": (5, 0, 4, 1, 9, 2, 1, 3, 1, 4), "t10k": (7, 2, 1, 0, 4, 1, 4, 9, 5, 9)}
 FASHION_FIRST = {"train": (9, 0, 0, 3, 0, 2, 7, 2, 5, 5), "t10k": (9, 2, 1, 1, 6, 1, 4, 6, 5, 7)}
 
@@ -234,9 +229,9 @@ def test_a_folder_holding_the_other_dataset_is_passed_over(tmp_path, monkeypatch
     own = tmp_path / "own"
     write_split(own, prefix, 30, first_labels=own_first[prefix])
     spec_name = "_MNIST" if wanted == "mnist" else "_FASHION_MNIST"
-    spec = getattr(ddptrain.data.idx, spec_name)
+    spec = getattr(ddptrain.data.datasets, spec_name)
     monkeypatch.setattr(
-        ddptrain.data.idx, spec_name, dataclasses.replace(spec, fallback_dirs=(own,))
+        ddptrain.data.datasets, spec_name, dataclasses.replace(spec, fallback_dirs=(own,))
     )
     write_split(tmp_path / "root", prefix, 20, first_labels=other_first[prefix])
     train = prefix == "train"
