@@ -21,8 +21,9 @@ from __future__ import annotations
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,16 @@ from ddptrain.parallel.ring import ring_reduce, scratch_for
 from ddptrain.parallel.runner import Done
 from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
 from ddptrain.parallel.tcp import HOST_ENV, SocketHook
+
+
+class Waitable(Protocol):
+    """What a communication hook returns: `wait()` leaves the reduced values in the bucket."""
+
+    def wait(self) -> Any: ...
+
+
+CommHook = Callable[[torch.Tensor, Any], Waitable]
+
 
 HOOK_NAMES = (
     "allreduce",

@@ -38,7 +38,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,30 +49,26 @@ from ddptrain.dist import global_rank
 from ddptrain.parallel.buckets import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_CAP_MB,
-    assign_buckets,
     mb_to_bytes,
 )
 from ddptrain.parallel.buffers import ModelBuffers
 from ddptrain.parallel.comm import (
     HOOK_NAMES,
+    CommHook,
     allreduce_hook,
     default_transport,
     local_hook,
     make_hook,
 )
-from ddptrain.parallel.layout import CAST_CHUNK, scale_into_narrower, view_like
-from ddptrain.parallel.linear_grads import LinearSlots, slot_params
+from ddptrain.parallel.layout import build_layout, fill_slot
+from ddptrain.parallel.linear_grads import (
+    LinearSlots,
+    has_other_hooks,
+    slot_params,
+    will_accumulate,
+)
 from ddptrain.parallel.replicas import broadcast_coalesced, coalesce, verify_same_model
 from ddptrain.parallel.step_state import StepState
-
-
-class Waitable(Protocol):
-    """What a communication hook returns: `wait()` leaves the reduced values in the bucket."""
-
-    def wait(self) -> Any: ...
-
-
-CommHook = Callable[[torch.Tensor, Any], Waitable]
 
 
 class DistributedDataParallel(nn.Module):
@@ -171,43 +167,26 @@ class DistributedDataParallel(nn.Module):
 
     # ----------------------------------------------------------------------------- buckets
     def _build_buckets(self, order: list[int]) -> None:
-        self._bucket_order = order
-        params = [self._params[i] for i in order]
-        buckets = assign_buckets(
-            [p.numel() * p.element_size() for p in params],
-            [(p.dtype, p.device) for p in params],
-            self._cap_bytes,
-            self._first_cap_bytes,
-        )
-        self._bucket_params = [[order[j] for j in bucket] for bucket in buckets]
-        n = len(self._params)
         # A hook may place buckets where its transport reads them best (shared memory), and
         # in the dtype it sends (bf16), so casting rides on the copies made anyway.
         allocate = getattr(self.comm_hook, "allocate", None) or _zeros
-        self._param_bucket = [0] * n
-        self._views: list[torch.Tensor] = [torch.empty(0)] * n
-        self._buckets: list[torch.Tensor] = []
-        for b, members in enumerate(self._bucket_params):
-            numel = sum(self._params[i].numel() for i in members)
-            # The last bucket launched also carries one "used here" flag per parameter, so
-            # which parameters were used on no rank is learned without an extra collective.
-            extra = n if b == len(self._bucket_params) - 1 else 0
-            first = self._params[members[0]]
-            flat = allocate(numel + extra, first.dtype, first.device)
-            offset = 0
-            for i in members:
-                p = self._params[i]
-                self._views[i] = view_like(flat[offset : offset + p.numel()], p)
-                self._param_bucket[i] = b
-                offset += p.numel()
-            self._buckets.append(flat)
-        self._used_flags = self._buckets[-1][-n:] if self._buckets else torch.empty(0)
-        self._bucket_lens = [len(members) for members in self._bucket_params]
-        # A hook may keep buckets in its wire dtype (bf16): those gradients are copies.
-        self._grad_is_view = [
-            self.gradient_as_bucket_view and view.dtype == p.dtype
-            for view, p in zip(self._views, self._params, strict=True)
-        ]
+        layout = build_layout(
+            self._params,
+            order,
+            self._cap_bytes,
+            self._first_cap_bytes,
+            allocate,
+            self.gradient_as_bucket_view,
+        )
+        # Unpacked: the hooks read these once per parameter per step.
+        self._bucket_order = layout.order
+        self._bucket_params = layout.members
+        self._buckets = layout.flats
+        self._views = layout.views
+        self._param_bucket = layout.bucket_of
+        self._used_flags = layout.used_flags
+        self._grad_is_view = layout.grad_is_view
+        self._bucket_lens = layout.lens
 
     @property
     def bucket_param_names(self) -> list[list[str]]:
@@ -301,9 +280,9 @@ class DistributedDataParallel(nn.Module):
         step = self._step
         if index is None or not (self._sync and step.armed and self._grad_is_view[index]):
             return None
-        if param.grad is not None or step.claimed[index] or _has_other_hooks(param):
+        if param.grad is not None or step.claimed[index] or has_other_hooks(param):
             return None
-        if not _will_accumulate(self._grad_accs[index]):
+        if not will_accumulate(self._grad_accs[index]):
             return None  # torch.autograd.grad, or backward(inputs=) without this parameter
         step.claimed[index] = True
         return self._views[index], 1.0 / step.divisor
@@ -313,31 +292,7 @@ class DistributedDataParallel(nn.Module):
         step.used[index] = True
         if not self._sync:
             return
-        if not step.armed and step.no_sync_forward:
-            raise RuntimeError(
-                f"gradient of '{self._param_names[index]}' arrived in a backward outside "
-                "no_sync() whose forward ran inside it: the forward decides whether gradients "
-                "are averaged. Run the forward and its backward both inside no_sync() (to "
-                "accumulate) or both outside (to synchronize)"
-            )
-        if not step.armed:
-            raise RuntimeError(
-                f"gradient of '{self._param_names[index]}' arrived with no forward pass since the "
-                "last synchronized backward: backward was called twice on one forward under "
-                "DistributedDataParallel. Run a new forward before each backward, or use "
-                "no_sync() for the extra backward passes"
-            )
-        if step.ready[index]:
-            raise RuntimeError(
-                f"gradient of '{self._param_names[index]}' became ready twice in one backward"
-            )
-        if param.grad is not None and param.grad.requires_grad:
-            raise RuntimeError(
-                "backward(create_graph=True) is not supported under DistributedDataParallel "
-                "(nor under torch's): averaged gradients are written into buckets outside "
-                "autograd. For a gradient penalty, take torch.autograd.grad(loss, params, "
-                "create_graph=True), add the penalty to the loss, then call backward() on it"
-            )
+        step.check_arrival(index, self._param_names[index], param.grad)
         if not step.callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             step.callback_queued = True
@@ -356,26 +311,10 @@ class DistributedDataParallel(nn.Module):
             self._launch_ready_buckets()
 
     def _fill_view(self, index: int, grad: torch.Tensor | None) -> None:
-        view = self._views[index]
-        divisor = self._step.divisor
-        if self._step.claimed[index]:
-            # Autograd wrote the scaled gradient into the view; a tensor other than the view
-            # means more gradients were summed with it (linear_grads.py).
-            if grad is not None and grad.data_ptr() != view.data_ptr():
-                view.add_(grad - view, alpha=1.0 / divisor)
-        elif grad is None:
-            view.zero_()
-        elif grad.data_ptr() == view.data_ptr():
-            if divisor != 1:
-                view.div_(divisor)
-        elif view.dtype == grad.dtype:
-            # Scaling while copying, as the official reducer does: one pass over the gradient.
-            torch.mul(grad, 1.0 / divisor, out=view)
-        else:
-            # A hook's narrower wire dtype (bf16).
-            if self._scratch.dtype != grad.dtype:
-                self._scratch = torch.empty(CAST_CHUNK, dtype=grad.dtype, device=grad.device)
-            scale_into_narrower(grad, 1.0 / divisor, view, self._scratch)
+        step = self._step
+        self._scratch = fill_slot(
+            self._views[index], grad, step.divisor, step.claimed[index], self._scratch
+        )
 
     def _launch_ready_buckets(self) -> None:
         step = self._step
@@ -458,21 +397,6 @@ class DistributedDataParallel(nn.Module):
 
 
 DDP = DistributedDataParallel
-
-
-def _will_accumulate(grad_acc: Any) -> bool:
-    """Whether the running backward will accumulate into .grad through this AccumulateGrad."""
-    try:
-        return torch._C._will_engine_execute_node(grad_acc)
-    except RuntimeError:
-        # torch refuses the question for a leaf during torch.autograd.grad(), which returns
-        # gradients and accumulates none.
-        return False
-
-
-def _has_other_hooks(param: torch.Tensor) -> bool:
-    """Hooks besides the wrapper's that would see a gradient before the wrapper scales it."""
-    return bool(param._backward_hooks) or len(param._post_accumulate_grad_hooks or ()) > 1
 
 
 def _total_len(dicts: list[dict]) -> int:

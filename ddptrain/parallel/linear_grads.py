@@ -183,3 +183,18 @@ def _into(claim: Claim, param: torch.Tensor, op: Any, *args: Any) -> torch.Tenso
         # the scale is a power of two.
         out.mul_(scale)
     return out
+
+
+def will_accumulate(grad_acc: Any) -> bool:
+    """Whether the running backward will accumulate into .grad through this AccumulateGrad."""
+    try:
+        return torch._C._will_engine_execute_node(grad_acc)
+    except RuntimeError:
+        # torch refuses the question for a leaf during torch.autograd.grad(), which returns
+        # gradients and accumulates none.
+        return False
+
+
+def has_other_hooks(param: torch.Tensor) -> bool:
+    """Hooks besides the wrapper's that would see a gradient before the wrapper scales it."""
+    return bool(param._backward_hooks) or len(param._post_accumulate_grad_hooks or ()) > 1

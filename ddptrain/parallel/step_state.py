@@ -1,4 +1,5 @@
-"""What one synchronized backward of the DDP wrapper tracks, reset after every one."""
+"""What one synchronized backward of the DDP wrapper tracks, reset after every one, and the
+errors a gradient arriving out of turn is met with."""
 
 from __future__ import annotations
 
@@ -43,3 +44,30 @@ class StepState:
         # A forward asked for rank 0's buffers with the last bucket (norm statistics only).
         self.sync_buffers = False
         self.buffer_work: Any = None
+
+    def check_arrival(self, index: int, name: str, grad: Any) -> None:
+        """Raise, naming parameter `name`, where its gradient arriving now (synchronized) would
+        break the wrapper's contract: one forward, then at most one backward, outside no_sync."""
+        if not self.armed and self.no_sync_forward:
+            raise RuntimeError(
+                f"gradient of '{name}' arrived in a backward outside no_sync() whose forward ran "
+                "inside it: the forward decides whether gradients are averaged. Run the forward "
+                "and its backward both inside no_sync() (to accumulate) or both outside (to "
+                "synchronize)"
+            )
+        if not self.armed:
+            raise RuntimeError(
+                f"gradient of '{name}' arrived with no forward pass since the last synchronized "
+                "backward: backward was called twice on one forward under "
+                "DistributedDataParallel. Run a new forward before each backward, or use "
+                "no_sync() for the extra backward passes"
+            )
+        if self.ready[index]:
+            raise RuntimeError(f"gradient of '{name}' became ready twice in one backward")
+        if grad is not None and grad.requires_grad:
+            raise RuntimeError(
+                "backward(create_graph=True) is not supported under DistributedDataParallel "
+                "(nor under torch's): averaged gradients are written into buckets outside "
+                "autograd. For a gradient penalty, take torch.autograd.grad(loss, params, "
+                "create_graph=True), add the penalty to the loss, then call backward() on it"
+            )
