@@ -3,8 +3,8 @@
     download_files({"t10k-labels-idx1-ubyte.gz": md5}, ["file:///srv/mirror/"], Path("raw"))
 
 A file is written under a temporary name and renamed only once its MD5 matches, so a half-done
-download never looks like data; every failure is one DownloadError line naming what to fetch
-by hand and where to put it.
+download never looks like data. Every failure is one DownloadError line with the fix: the
+files to fetch by hand and where to put them, or a folder that can be written.
 """
 
 from __future__ import annotations
