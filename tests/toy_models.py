@@ -195,3 +195,14 @@ class ToyTrainer(Trainer):
                 out.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
         return loss
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    """Every parameter, flattened into one float64 vector (for bitwise comparisons)."""
+    return torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    """The oracle tests' optimizer: SGD with momentum and weight decay on trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
