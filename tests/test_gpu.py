@@ -1,18 +1,28 @@
-"""CUDA/NCCL path (run with -m gpu on a machine with a GPU; deselected by default)."""
+"""CUDA/NCCL path (run with -m gpu on a machine with a GPU; deselected by default).
+
+Every case runs in a spawned world, so the test process itself never initializes CUDA. With
+one GPU the worlds are of one rank, which still runs every collective through NCCL.
+"""
 
 from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
 import toy_models
 from ddptrain.parallel.ddp import DistributedDataParallel
+from ddptrain.parallel.sync_batchnorm import SyncBatchNorm
+from ddptrain.parallel.zero import ZeroRedundancyOptimizer
+from ddptrain.train import checkpoint as ckpt
+from ddptrain.train.config import TrainerConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,17 +61,137 @@ def test_nccl_wrapper_matches_official_ddp_on_cuda(world_size):
         assert r["max_diff"] == 0.0, r
 
 
-def _run_fp16_trainer(tmp: str) -> dict:
-    from ddptrain.train.config import TrainerConfig
-
-    cfg = TrainerConfig(global_batch_size=12, epochs=2, precision="fp16", progress_bar=False)
-    trainer = toy_models.ToyTrainer(cfg)
-    return trainer.fit()
+def _run_precision_trainer(precision: str) -> dict:
+    cfg = TrainerConfig(global_batch_size=12, epochs=2, precision=precision, progress_bar=False)
+    return toy_models.ToyTrainer(cfg).fit()
 
 
-def test_fp16_trainer_with_grad_scaler_on_cuda(tmp_path):
-    """precision='fp16' trains on CUDA with a GradScaler and reports finite metrics."""
-    summary = ddptrain.spawn(_run_fp16_trainer, 1, str(tmp_path), timeout_s=300)[0]
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_trainer_on_cuda(precision):
+    """precision='fp16' (with a GradScaler) and 'bf16' train on CUDA to finite metrics."""
+    summary = ddptrain.spawn(_run_precision_trainer, 1, precision, timeout_s=300)[0]
     assert summary["step"] == 16
     assert summary["eval"]["eval_samples"] == toy_models.N_EVAL
     assert math.isfinite(summary["train_loss"]) and summary["train_loss"] > 0
+
+
+def _run_fit(config: TrainerConfig, crash_at_step: int | None = None) -> tuple[dict, torch.Tensor]:
+    fault = {"kind": "raise", "step": crash_at_step} if crash_at_step is not None else None
+    trainer = toy_models.ToyTrainer(config, dropout=0.3, fault=fault)
+    summary = trainer.fit()
+    return summary, toy_models.flat_params(trainer.model.module).cpu()
+
+
+def test_crash_and_resume_on_cuda_is_bitwise_equal_to_uninterrupted(tmp_path):
+    """With dropout drawn from the CUDA generator, a crashed run resumed ends bitwise equal."""
+    base = TrainerConfig(
+        global_batch_size=12,
+        epochs=4,
+        checkpoint_every_steps=5,
+        keep_last=10,
+        progress_bar=False,
+    )
+    straight = ddptrain.spawn(
+        _run_fit, 1, replace(base, checkpoint_dir=str(tmp_path / "a")), timeout_s=300
+    )[0]
+    cfg = replace(base, checkpoint_dir=str(tmp_path / "b"), resume="auto")
+    with pytest.raises(ddptrain.WorkerError, match="simulated crash"):
+        ddptrain.spawn(_run_fit, 1, cfg, 13, timeout_s=300)
+    assert ckpt.latest_checkpoint(tmp_path / "b").name == ckpt.checkpoint_name(10)
+    resumed = ddptrain.spawn(_run_fit, 1, cfg, timeout_s=300)[0]
+    assert resumed[0]["step"] == straight[0]["step"] == 32
+    assert torch.equal(resumed[1], straight[1])
+
+
+# The oracle is nn.BatchNorm2d in float64 on the same values, so what is left is our own float32
+# rounding (the tolerances of tests/parallel/test_sync_batchnorm.py): elementwise results to a
+# few ulps of values of size ~10; weight/bias gradients are sums of ~1000 terms that cancel.
+SBN_TOL = {
+    "out": (1e-5, 1e-5),  # (rtol, atol)
+    "dx": (1e-5, 1e-5),
+    "dweight": (1e-5, 1e-4),
+    "dbias": (1e-5, 1e-4),
+    "running_mean": (1e-5, 1e-5),
+    "running_var": (1e-5, 1e-5),
+}
+
+
+def _worst(a: torch.Tensor, b: torch.Tensor, name: str) -> float:
+    """Largest |a - b| in units of the allowed atol + rtol * |b| (<= 1 passes)."""
+    rtol, atol = SBN_TOL[name]
+    return ((a.double() - b).abs() / (atol + rtol * b.abs())).max().item()
+
+
+def _run_sync_batchnorm(channels_last: bool) -> dict:
+    info = ddptrain.init_distributed()
+    torch.manual_seed(0)
+    ours = SyncBatchNorm(6).to(info.device)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 2.0)
+        ours.bias.uniform_(-1.0, 1.0)
+    oracle = nn.BatchNorm2d(6).to(info.device, torch.float64)
+    oracle.load_state_dict(ours.state_dict())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    worst: dict[str, float] = dict.fromkeys(SBN_TOL, 0.0)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        # Offset 20: a mean far from zero is where a one-pass variance would lose digits.
+        x = (torch.randn(16, 6, 9, 7, generator=g) * 2 + 20).to(info.device, memory_format=fmt)
+        dy = torch.randn(16, 6, 9, 7, generator=g).to(info.device, memory_format=fmt)
+        outs = []
+        for bn, dtype in ((ours, torch.float32), (oracle, torch.float64)):
+            xi = x.to(dtype, copy=True).requires_grad_(True)
+            y = bn(xi)
+            y.backward(dy.to(dtype))
+            outs.append((y, xi.grad, bn.weight.grad, bn.bias.grad))
+            bn.weight.grad = bn.bias.grad = None
+        for name, a, b in zip(("out", "dx", "dweight", "dbias"), *outs, strict=True):
+            worst[name] = max(worst[name], _worst(a, b, name))
+    for name in ("running_mean", "running_var"):
+        worst[name] = _worst(getattr(ours, name), getattr(oracle, name), name)
+    batches = (ours.num_batches_tracked.item(), oracle.num_batches_tracked.item())
+    return {"device": str(info.device), "worst": worst, "batches": batches}
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_sync_batchnorm_matches_batchnorm_on_cuda(channels_last):
+    """SyncBatchNorm over NCCL equals float64 BatchNorm2d on CUDA to float32 rounding."""
+    result = ddptrain.spawn(_run_sync_batchnorm, 1, channels_last, timeout_s=300)[0]
+    assert result["device"].startswith("cuda")
+    assert all(v <= 1.0 for v in result["worst"].values()), result["worst"]
+    assert result["batches"] == (3, 3)
+
+
+def _run_zero() -> dict:
+    info = ddptrain.init_distributed()
+    torch.manual_seed(0)
+    base = toy_models.make("lenet_nodrop").to(info.device)
+    models = [DistributedDataParallel(copy.deepcopy(base)) for _ in range(2)]
+    zero = ZeroRedundancyOptimizer(models[0].parameters(), torch.optim.AdamW, lr=1e-3)
+    plain = torch.optim.AdamW(models[1].parameters(), lr=1e-3)
+    for step in range(5):
+        x, y = toy_models.batch("lenet", step, info.rank)
+        for model, opt in zip(models, (zero, plain), strict=True):
+            opt.zero_grad()
+            F.nll_loss(model(x.to(info.device)), y.to(info.device)).backward()
+            opt.step()
+    state = zero.state_dict()
+    reloaded = torch.optim.AdamW(models[1].parameters(), lr=1e-3)
+    reloaded.load_state_dict(state)
+    moments = [
+        (reloaded.state[p]["exp_avg_sq"] - plain.state[p]["exp_avg_sq"]).abs().max().item()
+        for p in models[1].parameters()
+    ]
+    weights = [
+        (a - b).abs().max().item()
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True)
+    ]
+    devices = {str(v.device) for s in state["state"].values() for v in s.values() if v.dim()}
+    return {"weights": max(weights), "moments": max(moments), "state_devices": sorted(devices)}
+
+
+def test_zero_stage_1_on_cuda_equals_adamw_and_its_state_loads_into_adamw():
+    """ZeRO-1 on CUDA steps bitwise like AdamW, and its state_dict loads into a plain AdamW."""
+    result = ddptrain.spawn(_run_zero, 1, timeout_s=300)[0]
+    assert result["weights"] == 0.0 and result["moments"] == 0.0, result
+    assert all(d.startswith("cuda") for d in result["state_devices"]), result
