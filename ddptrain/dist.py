@@ -75,7 +75,8 @@ def resolve_device(backend: str, local_rank: int, cuda_count: int) -> torch.devi
     if local_rank >= cuda_count:
         raise LaunchError(
             f"LOCAL_RANK={local_rank} but only {cuda_count} CUDA device(s) are visible; "
-            f"use --nproc_per_node <= {cuda_count} or check CUDA_VISIBLE_DEVICES"
+            f"use --nproc_per_node <= {cuda_count} (one process per GPU), or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES=) to run every rank on CPU with gloo"
         )
     return torch.device("cuda", local_rank)
 

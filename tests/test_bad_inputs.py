@@ -187,7 +187,8 @@ CASES: dict[str, Case] = {
     "local-rank-beyond-devices": Case(
         RuntimeError,
         "LOCAL_RANK=1 but only 1 CUDA device(s) are visible"
-        f"{GAP}use --nproc_per_node <= 1 or check CUDA_VISIBLE_DEVICES",
+        f"{GAP}use --nproc_per_node <= 1 (one process per GPU), or hide the GPUs "
+        "(CUDA_VISIBLE_DEVICES=) to run every rank on CPU with gloo",
         make.local_rank_beyond_devices,
         spawned=False,
     ),
