@@ -75,13 +75,6 @@ def test_mixed_precision_trainer_on_cuda(precision):
     assert math.isfinite(summary["train_loss"]) and summary["train_loss"] > 0
 
 
-def _run_fit(config: TrainerConfig, crash_at_step: int | None = None) -> tuple[dict, torch.Tensor]:
-    fault = {"kind": "raise", "step": crash_at_step} if crash_at_step is not None else None
-    trainer = toy_models.ToyTrainer(config, dropout=0.3, fault=fault)
-    summary = trainer.fit()
-    return summary, toy_models.flat_params(trainer.model.module).cpu()
-
-
 def test_crash_and_resume_on_cuda_is_bitwise_equal_to_uninterrupted(tmp_path):
     """With dropout drawn from the CUDA generator, a crashed run resumed ends bitwise equal."""
     base = TrainerConfig(
@@ -92,13 +85,13 @@ def test_crash_and_resume_on_cuda_is_bitwise_equal_to_uninterrupted(tmp_path):
         progress_bar=False,
     )
     straight = ddptrain.spawn(
-        _run_fit, 1, replace(base, checkpoint_dir=str(tmp_path / "a")), timeout_s=300
+        toy_models.fit, 1, replace(base, checkpoint_dir=str(tmp_path / "a")), 0.3, timeout_s=300
     )[0]
     cfg = replace(base, checkpoint_dir=str(tmp_path / "b"), resume="auto")
     with pytest.raises(ddptrain.WorkerError, match="simulated crash"):
-        ddptrain.spawn(_run_fit, 1, cfg, 13, timeout_s=300)
+        ddptrain.spawn(toy_models.fit, 1, cfg, 0.3, 13, timeout_s=300)
     assert ckpt.latest_checkpoint(tmp_path / "b").name == ckpt.checkpoint_name(10)
-    resumed = ddptrain.spawn(_run_fit, 1, cfg, timeout_s=300)[0]
+    resumed = ddptrain.spawn(toy_models.fit, 1, cfg, 0.3, timeout_s=300)[0]
     assert resumed[0]["step"] == straight[0]["step"] == 32
     assert torch.equal(resumed[1], straight[1])
 

@@ -197,6 +197,16 @@ class ToyTrainer(Trainer):
         return loss
 
 
+def fit(config, dropout=0.0, crash_at_step=None, smooth=False) -> tuple[dict, torch.Tensor]:
+    """Train a ToyTrainer (raising CrashAt at `crash_at_step`); its summary and final
+    parameters, flattened on the CPU."""
+    fault = {"kind": "raise", "step": crash_at_step} if crash_at_step is not None else None
+    trainer = ToyTrainer(config, dropout=dropout, fault=fault, smooth=smooth)
+    summary = trainer.fit()
+    params = torch.cat([p.detach().reshape(-1) for p in trainer.model.module.parameters()])
+    return summary, params.cpu()
+
+
 def flat_params(module: nn.Module) -> torch.Tensor:
     """Every parameter, flattened into one float64 vector (for bitwise comparisons)."""
     return torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import ddptrain
+import toy_models
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.config import TrainerConfig
 from toy_models import N_EVAL, ToyTrainer
@@ -32,12 +33,7 @@ def _config(tmp_path, **overrides) -> TrainerConfig:
     return replace(base, **overrides)
 
 
-def _run_fit(config, dropout=0.0, crash_at_step=None, smooth=False):
-    fault = {"kind": "raise", "step": crash_at_step} if crash_at_step is not None else None
-    trainer = ToyTrainer(config, dropout=dropout, fault=fault, smooth=smooth)
-    summary = trainer.fit()
-    params = torch.cat([p.detach().reshape(-1) for p in trainer.model.module.parameters()])
-    return summary, params
+_run_fit = toy_models.fit
 
 
 def _run_fits(runs: list[tuple]) -> list:
