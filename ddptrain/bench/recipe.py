@@ -19,8 +19,11 @@ same number of optimizer steps, one thread per rank (each rank reports its model
 samples/s: synchronous runs count all ranks' samples over the slowest rank's wall time; the
 floor sums each process's own samples/s. Variants run in separate worlds one after another (the
 order rotates every repeat); the ratios are of the medians, and "paired" is the median of each
-repeat's own ratio, which load that changes between repeats moves less. Writes
-<out>/recipe.json and <out>/recipe.png (matplotlib).
+repeat's own ratio, which load that changes between repeats moves less. The floor's processes
+also time each optimizer step: held in lockstep by a meeting that cost nothing, each step would
+last as long as the slowest process's, and the rate that keeps (floor_lockstep_bound) is the
+most of the floor any synchronous run could reach under this machine's step-to-step jitter.
+Writes <out>/recipe.json and <out>/recipe.png (matplotlib).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -109,6 +113,7 @@ def _run_ddptrain(args: argparse.Namespace, recipe_args: argparse.Namespace, sol
     else:
         batch = recipe_args.global_batch_size
     counted = {"samples": 0, "parameters": 0}
+    step_ends: list[float] = []
 
     class BenchTrainer(recipe.MNISTTrainer):
         def build_model(self):
@@ -118,6 +123,12 @@ def _run_ddptrain(args: argparse.Namespace, recipe_args: argparse.Namespace, sol
 
         def build_datasets(self):
             return _train_images(args.data, args.quick), None
+
+        def configure_optimizers(self, model):
+            made = super().configure_optimizers(model)
+            optimizer = made[0] if isinstance(made, tuple) else made
+            optimizer.register_step_post_hook(lambda *_: step_ends.append(time.perf_counter()))
+            return made
 
         def training_step(self, model, batch):
             counted["samples"] += len(batch[1])
@@ -139,7 +150,8 @@ def _run_ddptrain(args: argparse.Namespace, recipe_args: argparse.Namespace, sol
         loggers=("jsonl",),
     )
     summary = BenchTrainer(config, recipe_args).fit()
-    return {**counted, "wall_s": summary["wall_s"]}
+    # The floor's step times give its lockstep bound; the synchronous runs need none.
+    return {**counted, "wall_s": summary["wall_s"], **({"step_ends": step_ends} if solo else {})}
 
 
 def _run_standard(args: argparse.Namespace, recipe_args: argparse.Namespace) -> dict:
@@ -196,8 +208,26 @@ def _worker(variant: str, args: argparse.Namespace) -> dict:
     return _run_ddptrain(args, recipe_args, solo=variant == "floor")
 
 
+def lockstep_bound(step_ends: list[list[float]]) -> float:
+    """The share of free-running processes' summed rate they would keep in lockstep through a
+    meeting that costs nothing, each step as long as the slowest process's (pure).
+
+    step_ends: each process's optimizer-step end times, the same per-step work in all of them.
+    Steps past the shortest trace are left out; NaN without two steps in every trace.
+    """
+    durations = [[b - a for a, b in itertools.pairwise(ends)] for ends in step_ends]
+    n = min(len(d) for d in durations)
+    if n == 0:
+        return math.nan
+    durations = [d[:n] for d in durations]
+    free_rate = sum(1 / sum(d) for d in durations)
+    lockstep_rate = len(durations) / sum(map(max, zip(*durations, strict=True)))
+    return lockstep_rate / free_rate
+
+
 def summarize(runs: list[dict[str, list[dict]]], settings: dict[str, Any]) -> dict[str, Any]:
-    """Per-run, per-rank (samples, wall_s) in; samples/s per variant and the ratios out (pure)."""
+    """Per-run, per-rank (samples, wall_s, the floor's step_ends) in; samples/s per variant,
+    the ratios and the floor's lockstep bound out (pure)."""
     per_run: dict[str, list[float]] = {v: [] for v in runs[0]}
     for run in runs:
         for v, ranks in run.items():
@@ -212,7 +242,7 @@ def summarize(runs: list[dict[str, list[dict]]], settings: dict[str, Any]) -> di
         v: {
             "samples_per_s": statistics.median(rates),
             "runs": rates,
-            "per_rank": [r[v] for r in runs],
+            "per_rank": [[_without_steps(rank) for rank in r[v]] for r in runs],
         }
         for v, rates in per_run.items()
     }
@@ -224,7 +254,16 @@ def summarize(runs: list[dict[str, list[dict]]], settings: dict[str, Any]) -> di
             # Each repeat's two runs were taken minutes apart at most, under that repeat's load.
             per_repeat = zip(per_run["ddptrain"], per_run[other], strict=True)
             paired[f"ddptrain_vs_{other}"] = statistics.median(d / o for d, o in per_repeat)
-    return {"settings": settings, "variants": variants, "ratios": ratios, "paired": paired}
+    result = {"settings": settings, "variants": variants, "ratios": ratios, "paired": paired}
+    if "floor" in per_run and all("step_ends" in rank for run in runs for rank in run["floor"]):
+        bounds = [lockstep_bound([rank["step_ends"] for rank in run["floor"]]) for run in runs]
+        result["floor_lockstep_bound"] = {"median": statistics.median(bounds), "runs": bounds}
+    return result
+
+
+def _without_steps(rank: dict) -> dict:
+    """A rank's figures for the JSON: its step times are summed up in the lockstep bound."""
+    return {k: v for k, v in rank.items() if k != "step_ends"}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -240,6 +279,12 @@ def format_table(result: dict[str, Any]) -> str:
         else f"{name}: {value:.3f}"
         for name, value in result["ratios"].items()
     ]
+    if bound := result.get("floor_lockstep_bound"):
+        runs = ", ".join(f"{b:.3f}" for b in bound["runs"])
+        lines.append(
+            f"floor_lockstep_bound: {bound['median']:.3f} ({runs}): the floor's rate kept if its "
+            "processes met at every step at no cost (the most any synchronous run reaches here)"
+        )
     return "\n".join(lines)
 
 

@@ -39,6 +39,10 @@ def test_recipe_quick_run_reports_three_variants_and_their_ratios(tmp_path):
     rate = {v: row["samples_per_s"] for v, row in rows.items()}
     assert ratios["ddptrain_vs_standard"] == pytest.approx(rate["ddptrain"] / rate["standard"])
     assert ratios["ddptrain_vs_floor"] == pytest.approx(rate["ddptrain"] / rate["floor"])
+    # The floor's processes timed their steps; the bound is a share of its rate.
+    bound = saved["floor_lockstep_bound"]
+    assert len(bound["runs"]) == 1 and 0 < bound["median"] <= 1, bound
+    assert all("step_ends" not in r for row in rows.values() for r in row["per_rank"][0])
 
 
 def test_recipe_bench_trains_the_mlp_in_every_variant_when_asked(tmp_path):
@@ -109,6 +113,34 @@ def test_recipe_paired_ratio_is_the_median_of_each_repeats_ratio():
     assert result["ratios"]["ddptrain_vs_floor"] == pytest.approx(0.8)
     assert result["paired"]["ddptrain_vs_floor"] == pytest.approx(1.0)
     assert "paired" in recipe.format_table(result)
+
+
+def test_lockstep_bound_keeps_each_step_only_as_long_as_the_slowest_process():
+    """Equal traces keep the whole floor; out-of-phase slow steps cost their excess; a process
+    alone keeps all; traces are cut to the shortest."""
+    assert recipe.lockstep_bound([[0, 1, 3, 4], [5, 6, 8, 9]]) == pytest.approx(1.0)
+    # Steps of 1, 2, 1, 2 s against 2, 1, 2, 1 s: each process alone takes 6 s (together 1/3
+    # step/s), in lockstep every step takes 2 s, 8 s for two processes' 4 steps (0.25 step/s).
+    out_of_phase = [[0, 1, 3, 4, 6], [0, 2, 3, 5, 6]]
+    assert recipe.lockstep_bound(out_of_phase) == pytest.approx(0.75)
+    assert recipe.lockstep_bound([[0, 1, 3, 4, 6]]) == pytest.approx(1.0)
+    assert recipe.lockstep_bound([[0, 1, 3, 4, 6, 100], [0, 2, 3, 5, 6]]) == pytest.approx(0.75)
+    assert math.isnan(recipe.lockstep_bound([[0.0], [0.0, 1.0]]))
+
+
+def test_recipe_summary_gives_the_floor_lockstep_bound_per_repeat():
+    """The bound per repeat from the floor's step ends, their median, and a line in the table."""
+
+    def run(slow_step_s: float) -> dict:
+        ends = [[0, 1, 1 + slow_step_s], [0, slow_step_s, 1 + slow_step_s]]
+        return {"floor": [{"samples": 2, "wall_s": 1 + slow_step_s, "step_ends": e} for e in ends]}
+
+    # Steps of 1 and s seconds out of phase: bound (2 / 2s) / (2 / (1 + s)) = (1 + s) / 2s.
+    result = recipe.summarize([run(2.0), run(3.0), run(1.0)], {})
+    assert result["floor_lockstep_bound"]["runs"] == pytest.approx([0.75, 2 / 3, 1.0])
+    assert result["floor_lockstep_bound"]["median"] == pytest.approx(0.75)
+    assert "step_ends" not in result["variants"]["floor"]["per_rank"][0][0]
+    assert "floor_lockstep_bound: 0.750" in recipe.format_table(result)
 
 
 def test_recipe_chart_title_names_the_model_and_the_flags_given():
