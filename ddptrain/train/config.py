@@ -18,8 +18,9 @@ from ddptrain.train.log import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
 # Settings that define the sample order and step size: a resumed run must keep them.
 RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last")
 PRECISIONS = ("fp32", "bf16", "fp16")
-# "default" is the wrapper's own choice (shared memory for CPU ranks on one host, else the
-# backend's all_reduce); the rest are ddptrain.parallel.comm's hook names.
+# "default" is the wrapper's own choice (shared memory for CPU ranks on one host, its own TCP
+# ring for CPU ranks across hosts, else the backend's all_reduce); the rest are
+# ddptrain.parallel.comm's hook names.
 COMM_HOOKS = ("default", *HOOK_NAMES)
 NONFINITE_POLICIES = ("stop", "skip")
 # 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks.
