@@ -129,7 +129,8 @@ def test_lockstep_bound_keeps_each_step_only_as_long_as_the_slowest_process():
 
 
 def test_recipe_summary_gives_the_floor_lockstep_bound_per_repeat():
-    """The bound per repeat from the floor's step ends, their median, and a line in the table."""
+    """The bound per repeat from the floor's step ends, their median, and a line in the table;
+    none when the ranks outnumber the cores."""
 
     def run(slow_step_s: float) -> dict:
         ends = [[0, 1, 1 + slow_step_s], [0, slow_step_s, 1 + slow_step_s]]
@@ -141,6 +142,11 @@ def test_recipe_summary_gives_the_floor_lockstep_bound_per_repeat():
     assert result["floor_lockstep_bound"]["median"] == pytest.approx(0.75)
     assert "step_ends" not in result["variants"]["floor"]["per_rank"][0][0]
     assert "floor_lockstep_bound: 0.750" in recipe.format_table(result)
+    # More ranks than cores: the scheduler's time slices set the floor's steps; no bound.
+    crowded = recipe.summarize([run(2.0)], {"world_size": 2, "cpu_count": 1})
+    assert "floor_lockstep_bound" not in crowded
+    assert "2 ranks share 1 cores" in recipe.format_table(crowded)
+    assert "floor_lockstep_bound" in recipe.summarize([run(2.0)], {"world_size": 2, "cpu_count": 2})
 
 
 def test_recipe_chart_title_names_the_model_and_the_flags_given():
