@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from ddptrain.bench import memory, recipe
+from ddptrain.bench import memory, recipe, recipe_report
 from ddptrain.bench.models import MLP
 from ddptrain.models import LeNet
 
@@ -90,12 +90,12 @@ def test_recipe_summary_counts_sync_worlds_by_slowest_rank_and_sums_the_floor():
         "floor": [{"samples": 100, "wall_s": 1.0}, {"samples": 100, "wall_s": 2.0}],
     }
     second = {**run, "ddptrain": [{"samples": 100, "wall_s": 4.0}] * 2}
-    result = recipe.summarize([run, second, run], {})
+    result = recipe_report.summarize([run, second, run], {})
     assert result["variants"]["ddptrain"]["runs"] == [100.0, 50.0, 100.0]
     assert result["variants"]["ddptrain"]["samples_per_s"] == 100.0
     assert result["variants"]["floor"]["samples_per_s"] == 150.0
     assert result["ratios"] == {"ddptrain_vs_standard": 2.0, "ddptrain_vs_floor": 100 / 150}
-    assert "ddptrain_vs_floor" in recipe.format_table(result)
+    assert "ddptrain_vs_floor" in recipe_report.format_table(result)
 
 
 def test_recipe_paired_ratio_is_the_median_of_each_repeats_ratio():
@@ -109,23 +109,25 @@ def test_recipe_paired_ratio_is_the_median_of_each_repeats_ratio():
 
     # ddptrain 100, 80, 60 samples/s against floors of 100, 200, 50: each repeat's ratio is
     # 1.0, 0.4, 1.2 (median 1.0), while the medians, 80 and 100, give 0.8.
-    result = recipe.summarize([run(2.0, 2.0), run(2.5, 1.0), run(200 / 60, 4.0)], {})
+    result = recipe_report.summarize([run(2.0, 2.0), run(2.5, 1.0), run(200 / 60, 4.0)], {})
     assert result["ratios"]["ddptrain_vs_floor"] == pytest.approx(0.8)
     assert result["paired"]["ddptrain_vs_floor"] == pytest.approx(1.0)
-    assert "paired" in recipe.format_table(result)
+    assert "paired" in recipe_report.format_table(result)
 
 
 def test_lockstep_bound_keeps_each_step_only_as_long_as_the_slowest_process():
     """Equal traces keep the whole floor; out-of-phase slow steps cost their excess; a process
     alone keeps all; traces are cut to the shortest."""
-    assert recipe.lockstep_bound([[0, 1, 3, 4], [5, 6, 8, 9]]) == pytest.approx(1.0)
+    assert recipe_report.lockstep_bound([[0, 1, 3, 4], [5, 6, 8, 9]]) == pytest.approx(1.0)
     # Steps of 1, 2, 1, 2 s against 2, 1, 2, 1 s: each process alone takes 6 s (together 1/3
     # step/s), in lockstep every step takes 2 s, 8 s for two processes' 4 steps (0.25 step/s).
     out_of_phase = [[0, 1, 3, 4, 6], [0, 2, 3, 5, 6]]
-    assert recipe.lockstep_bound(out_of_phase) == pytest.approx(0.75)
-    assert recipe.lockstep_bound([[0, 1, 3, 4, 6]]) == pytest.approx(1.0)
-    assert recipe.lockstep_bound([[0, 1, 3, 4, 6, 100], [0, 2, 3, 5, 6]]) == pytest.approx(0.75)
-    assert math.isnan(recipe.lockstep_bound([[0.0], [0.0, 1.0]]))
+    assert recipe_report.lockstep_bound(out_of_phase) == pytest.approx(0.75)
+    assert recipe_report.lockstep_bound([[0, 1, 3, 4, 6]]) == pytest.approx(1.0)
+    assert recipe_report.lockstep_bound([[0, 1, 3, 4, 6, 100], [0, 2, 3, 5, 6]]) == pytest.approx(
+        0.75
+    )
+    assert math.isnan(recipe_report.lockstep_bound([[0.0], [0.0, 1.0]]))
 
 
 def test_recipe_summary_gives_the_floor_lockstep_bound_per_repeat():
@@ -137,27 +139,28 @@ def test_recipe_summary_gives_the_floor_lockstep_bound_per_repeat():
         return {"floor": [{"samples": 2, "wall_s": 1 + slow_step_s, "step_ends": e} for e in ends]}
 
     # Steps of 1 and s seconds out of phase: bound (2 / 2s) / (2 / (1 + s)) = (1 + s) / 2s.
-    result = recipe.summarize([run(2.0), run(3.0), run(1.0)], {})
+    result = recipe_report.summarize([run(2.0), run(3.0), run(1.0)], {})
     assert result["floor_lockstep_bound"]["runs"] == pytest.approx([0.75, 2 / 3, 1.0])
     assert result["floor_lockstep_bound"]["median"] == pytest.approx(0.75)
     assert "step_ends" not in result["variants"]["floor"]["per_rank"][0][0]
-    assert "floor_lockstep_bound: 0.750" in recipe.format_table(result)
+    assert "floor_lockstep_bound: 0.750" in recipe_report.format_table(result)
     # More ranks than cores: the scheduler's time slices set the floor's steps; no bound.
-    crowded = recipe.summarize([run(2.0)], {"world_size": 2, "cpu_count": 1})
+    crowded = recipe_report.summarize([run(2.0)], {"world_size": 2, "machine": {"cpu_count": 1}})
     assert "floor_lockstep_bound" not in crowded
-    assert "2 ranks share 1 cores" in recipe.format_table(crowded)
-    assert "floor_lockstep_bound" in recipe.summarize([run(2.0)], {"world_size": 2, "cpu_count": 2})
+    assert "2 ranks share 1 cores" in recipe_report.format_table(crowded)
+    roomy = {"world_size": 2, "machine": {"cpu_count": 2}}
+    assert "floor_lockstep_bound" in recipe_report.summarize([run(2.0)], roomy)
 
 
 def test_recipe_chart_title_names_the_model_and_the_flags_given():
     """The chart says MLP for --model mlp and lists any recipe flags; none given, none shown."""
     settings = {"data": "fashion-mnist", "world_size": 2, "steps": 235, "recipe_args": []}
     result = {"settings": settings, "ratios": {"ddptrain_vs_floor": 0.987}}
-    assert recipe.chart_title(result) == (
+    assert recipe_report.chart_title(result) == (
         "LeNet, fashion-mnist, world size 2, 235 steps\nddptrain vs floor 0.99"
     )
     settings.update(model="mlp", recipe_args=["--model", "mlp", "--precision", "bf16"])
-    first = recipe.chart_title(result).splitlines()[0]
+    first = recipe_report.chart_title(result).splitlines()[0]
     assert first == "MLP, fashion-mnist, world size 2, 235 steps (--model mlp --precision bf16)"
 
 
