@@ -1,6 +1,7 @@
 """ddptrain: a small, readable data-parallel training framework on torch.distributed."""
 
 from ddptrain.data import DataPartitioner, EvalSampler, ShardedSampler
+from ddptrain.ddp.wrapper import DDP, DistributedDataParallel
 from ddptrain.dist import (
     DistInfo,
     all_reduce_mean,
@@ -11,10 +12,9 @@ from ddptrain.dist import (
     print0,
     shutdown,
 )
-from ddptrain.launch import WorkerError, spawn
-from ddptrain.parallel.ddp import DDP, DistributedDataParallel
-from ddptrain.parallel.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
-from ddptrain.parallel.zero import ZeroRedundancyOptimizer
+from ddptrain.launch.spawn import WorkerError, spawn
+from ddptrain.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from ddptrain.optim.zero import ZeroRedundancyOptimizer
 from ddptrain.train.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.evaluation import evaluate

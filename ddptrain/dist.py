@@ -5,7 +5,7 @@
     loss = all_reduce_mean(loss)       # no-op at world size 1
     shutdown()
 
-It reads os.environ and hands it to the pure parsers in ddptrain.launchers (which launcher
+It reads os.environ and hands it to the pure parsers in ddptrain.launch.env (which launcher
 wins when several left variables, and why: see there; commands: docs/launch.md). One process
 is simply world_size 1 of the same path: without launcher variables, `init_distributed` still
 creates a process group (a private `file://` store), so every collective in ddptrain runs
@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from ddptrain.launchers import INIT_METHOD_ENV as INIT_METHOD_ENV  # spawn and tests set it here
-from ddptrain.launchers import LaunchEnv, LaunchError, detect_launcher, expand_nodelist, parse_env
+from ddptrain.launch.env import INIT_METHOD_ENV as INIT_METHOD_ENV  # spawn and tests set it here
+from ddptrain.launch.env import LaunchEnv, LaunchError, detect_launcher, expand_nodelist, parse_env
 
 DEFAULT_TIMEOUT_S = 300.0
 # Rendezvous waits are cut into tries this long, so Ctrl-C (checked between tries) stops a

@@ -179,7 +179,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def main() -> int:
     default = next(
-        (m for m in ("ddptrain.ddp.wrapper", "ddptrain.parallel.ddp") if m in modules()), None
+        (m for m in ("ddptrain.ddp.wrapper", "ddptrain.ddp.wrapper") if m in modules()), None
     )
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("module", nargs="?", default=default, help="dotted module name")

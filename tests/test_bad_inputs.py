@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-import bad_input_makers as make
 import ddptrain
 from ddptrain.data.idx import IDXFormatError
 from ddptrain.train import checkpoint as ckpt
-from error_table import (
+from support import bad_input_makers as make
+from support.error_table import (
     GAP,
     MAX_MESSAGE_CHARS,
     TIME_LIMIT_S,

@@ -24,8 +24,8 @@ from ddptrain import cli
 from ddptrain.data.idx import IDXFormatError
 from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.config import TrainerConfig
-from error_table import GAP, doc_rows, in_order
-from idx_files import closed_port_url, idx_bytes, write_split
+from support.error_table import GAP, doc_rows, in_order
+from support.idx_files import closed_port_url, idx_bytes, write_split
 
 # @record enables faulthandler on stderr, which pytest has swapped for an object without fileno.
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")

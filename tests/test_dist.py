@@ -11,15 +11,15 @@ import pytest
 import torch
 
 import ddptrain
+from ddptrain.cpu.tcp import SocketHook
+from ddptrain.ddp.hooks import RingHook
 from ddptrain.dist import (
     INIT_METHOD_ENV,
     parse_env,
     resolve_backend,
     resolve_device,
 )
-from ddptrain.launch import _collect
-from ddptrain.parallel.comm import RingHook
-from ddptrain.parallel.tcp import SocketHook
+from ddptrain.launch.spawn import _collect
 
 
 def test_no_launcher_variables_is_a_world_of_one():
@@ -241,10 +241,10 @@ def test_spawn_refuses_a_function_from_an_interactive_session(monkeypatch):
     main = sys.modules["__main__"]
     monkeypatch.delattr(main, "__file__", raising=False)
     started = []
-    monkeypatch.setattr(ddptrain.launch, "_context", lambda method: started.append(method))
+    monkeypatch.setattr(ddptrain.launch.spawn, "_context", lambda method: started.append(method))
     with pytest.raises(ValueError, match="cell_function is defined in an interactive session"):
         ddptrain.spawn(cell_function, 2)
     assert started == []
     monkeypatch.setattr(main, "__file__", __file__, raising=False)
-    ddptrain.launch._check_importable(cell_function)  # a script: accepted
-    ddptrain.launch._check_importable(_run_sleep)  # a module's function: accepted
+    ddptrain.launch.spawn._check_importable(cell_function)  # a script: accepted
+    ddptrain.launch.spawn._check_importable(_run_sleep)  # a module's function: accepted

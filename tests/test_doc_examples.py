@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from child_env import child_env
 
 from ddptrain.bench.recipe import _load_recipe
 from ddptrain.train.config import TrainerConfig
-from idx_files import write_split
+from support.child_env import child_env
+from support.idx_files import write_split
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
@@ -144,18 +144,3 @@ def test_guide_recipe_usage_block_is_the_recipes_usage(capsys):
     assert pasted is not None, "docs/guide.md: no ``` block starting 'usage: mnist.py'"
     # Past "usage: PROG": the program name is pytest's here.
     assert pasted.group(1).split()[2:] == usage.split()[2:]
-
-
-def test_design_module_map_names_every_module():
-    """docs/design.md's map of ddptrain/ names each module file and no other (plot/ as a whole)."""
-    text = (ROOT / "docs" / "design.md").read_text()
-    tree = text.split("```\nddptrain/\n", 1)[1].split("```", 1)[0]
-    named = set(re.findall(r"^ *(\w+\.py) ", tree, flags=re.MULTILINE))
-    package = ROOT / "ddptrain"
-    modules = {
-        p.name
-        for p in package.rglob("*.py")
-        if not p.name.startswith("_") and p.parent.name != "plot"
-    }
-    assert modules - named == set(), "add these to the map in docs/design.md"
-    assert named - modules - {"__init__.py"} == set(), "these are gone: take them off the map"

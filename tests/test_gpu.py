@@ -17,12 +17,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
-import toy_models
-from ddptrain.parallel.ddp import DistributedDataParallel
-from ddptrain.parallel.sync_batchnorm import SyncBatchNorm
-from ddptrain.parallel.zero import ZeroRedundancyOptimizer
+from ddptrain.ddp.wrapper import DistributedDataParallel
+from ddptrain.nn.sync_batchnorm import SyncBatchNorm
+from ddptrain.optim.zero import ZeroRedundancyOptimizer
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.config import TrainerConfig
+from support import toy_models
 
 pytestmark = [
     pytest.mark.gpu,

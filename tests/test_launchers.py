@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 import ddptrain
-from ddptrain.launchers import (
+from ddptrain.launch.env import (
     DERIVED_PORT_BASE,
     DERIVED_PORT_SPAN,
     INIT_METHOD_ENV,

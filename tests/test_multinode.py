@@ -2,12 +2,12 @@
 
     pytest tests/test_multinode.py -rs       # needs root and `ip netns`; -rs prints why if skipped
 
-torchrun --nnodes=2 --nproc_per_node=2 runs tests/multinode_job.py in each namespace with c10d
-rendezvous over the veth, and the trained parameters must equal, bit for bit, a single-host
-world of 4 started by ddptrain.spawn (tests/spawned_refs.py) that sums gradients with the same
-gloo all_reduce. Every address used is on the private 10.231.77.0/24 that exists only inside the
-two namespaces, which are deleted afterwards; in a run as non-root, or where `ip netns` is not
-permitted, the test is skipped with the error.
+torchrun --nnodes=2 --nproc_per_node=2 runs tests/support/multinode_job.py in each namespace
+with c10d rendezvous over the veth, and the trained parameters must equal, bit for bit, a
+single-host world of 4 started by ddptrain.spawn (tests/support/spawned_refs.py) that sums
+gradients with the same gloo all_reduce. Every address used is on the private 10.231.77.0/24
+that exists only inside the two namespaces, which are deleted afterwards; in a run as non-root,
+or where `ip netns` is not permitted, the test is skipped with the error.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import spawned_refs
 import torch
 
 import ddptrain
 from ddptrain.netns import RDZV_PORT, HostsUnavailable, kill_tree, torchrun, two_hosts
+from support import spawned_refs
 
-JOB = Path(__file__).resolve().parent / "multinode_job.py"
+JOB = Path(__file__).resolve().parent / "support" / "multinode_job.py"
 TIMEOUT_S = 180
 
 

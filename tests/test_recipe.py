@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from child_env import child_env
 
-from idx_files import MNIST_ROOT, closed_port_url, serve_folder, write_split
+from support.child_env import child_env
+from support.idx_files import MNIST_ROOT, closed_port_url, serve_folder, write_split
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "mnist.py"
 REAL_RAW = MNIST_ROOT / "MNIST/raw"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from child_env import child_env
+from support.child_env import child_env
 
 # Each child sets up a world with this collective timeout; a rendezvous that waits it out fails
 # the test by its message (the wait is the bug), a rendezvous that hangs fails it by HANG_S.

@@ -26,17 +26,17 @@ import time
 from pathlib import Path
 
 import pytest
-import spawned_refs
 import torch
-from child_env import LAUNCHER_VARS
 
 import ddptrain
-from idx_files import write_split
+from support import spawned_refs
+from support.child_env import LAUNCHER_VARS
+from support.idx_files import write_split
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "mnist.py"
 SBATCH_SCRIPT = REPO / "recipes" / "mnist.sbatch"
-JOB = REPO / "tests" / "multinode_job.py"
+JOB = REPO / "tests" / "support" / "multinode_job.py"
 TIMEOUT_S = 240
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
 SLURM_TOOLS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scancel")
@@ -288,7 +288,7 @@ def slurm_cluster():
 
 
 def test_srun_ddp_job_equals_spawned_ranks(slurm_cluster, reference, workdir):
-    """srun -n 2 tests/multinode_job.py on a one-node cluster ends bitwise like spawned ranks."""
+    """srun -n 2 of the support job on a one-node cluster ends bitwise like spawned ranks."""
     out = workdir / "srun.pt"
     _run(["srun", "-n", "2", "python", str(JOB), "--out", str(out)], slurm_cluster, workdir)
     result = torch.load(out)

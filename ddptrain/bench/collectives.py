@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.parallel.comm import ring_all_reduce
-from ddptrain.parallel.shm import SharedMemoryHook, shared_memory_usable
+from ddptrain.cpu.shm import SharedMemoryHook, shared_memory_usable
+from ddptrain.ddp.hooks import ring_all_reduce
 
 
 def bench_all_reduce(sizes_mb: tuple[int, ...], reps: int, device: torch.device) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import ddptrain
 from ddptrain.bench.models import MODELS
 from ddptrain.bench.report import machine
-from ddptrain.parallel.ddp import DistributedDataParallel
+from ddptrain.ddp.wrapper import DistributedDataParallel
 
 VARIANTS = ("ddptrain", "torch_ddp", "local")
 _FIGURES = ("peak_rss_bytes", "shm_mapped_bytes", "peak_with_shm_bytes", "peak_host_share_bytes")

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from ddptrain.parallel.ddp import DistributedDataParallel
-from ddptrain.parallel.shm import SHM_DIR
-from ddptrain.parallel.tcp import SocketHook
+from ddptrain.cpu.shm import SHM_DIR
+from ddptrain.cpu.tcp import SocketHook
+from ddptrain.ddp.wrapper import DistributedDataParallel
 
 
 def bucket_transport(model: DistributedDataParallel) -> str:

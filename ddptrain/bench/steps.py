@@ -48,10 +48,10 @@ from ddptrain.bench.collectives import bench_all_reduce
 from ddptrain.bench.models import MODELS
 from ddptrain.bench.placement import bucket_transport, hosts, this_host, transport
 from ddptrain.bench.report import format_table, machine, plot, summarize
+from ddptrain.ddp.hooks import allreduce_hook, make_hook
+from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import LaunchError, launched_by
-from ddptrain.parallel.comm import allreduce_hook, make_hook
-from ddptrain.parallel.ddp import DistributedDataParallel
-from ddptrain.parallel.zero import ZeroRedundancyOptimizer
+from ddptrain.optim.zero import ZeroRedundancyOptimizer
 
 BASE_VARIANTS = ("ddptrain", "torch_ddp", "naive", "local")
 # Opt-in ddptrain variants: --extras name -> the comm hook (comm.make_hook name) it runs with.

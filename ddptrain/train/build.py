@@ -19,10 +19,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.data import ShardedSampler
 from ddptrain.data.loader import batch_loader
+from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import DistInfo
-from ddptrain.parallel.ddp import DistributedDataParallel
-from ddptrain.parallel.sync_batchnorm import convert_sync_batchnorm
-from ddptrain.parallel.zero import ZeroRedundancyOptimizer
+from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
+from ddptrain.optim.zero import ZeroRedundancyOptimizer
 from ddptrain.train import uneven
 from ddptrain.train.config import ConfigError, TrainerConfig
 

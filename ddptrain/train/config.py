@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ddptrain.parallel.comm import HOOK_NAMES, make_hook
+from ddptrain.ddp.hooks import HOOK_NAMES, make_hook
 from ddptrain.train.log import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
 
 # Settings that define the sample order and step size: a resumed run must keep them.
@@ -20,7 +20,7 @@ RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shu
 PRECISIONS = ("fp32", "bf16", "fp16")
 # "default" is the wrapper's own choice (shared memory for CPU ranks on one host, its own TCP
 # ring for CPU ranks across hosts, else the backend's all_reduce); the rest are
-# ddptrain.parallel.comm's hook names.
+# ddptrain.ddp.hooks's hook names.
 COMM_HOOKS = ("default", *HOOK_NAMES)
 NONFINITE_POLICIES = ("stop", "skip")
 # 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks.

@@ -14,12 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from child_env import child_env
 
 from ddptrain.bench import hosts as bench_hosts
 from ddptrain.bench import placement
 from ddptrain.bench import steps as bench
 from ddptrain.netns import HostsUnavailable, check_available, namespaces
+from support.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180

@@ -19,7 +19,7 @@ from ddptrain.data import (
     mnist,
     partition_indices,
 )
-from idx_files import MNIST_ROOT, MNIST_TEST_LABEL_COUNTS
+from support.idx_files import MNIST_ROOT, MNIST_TEST_LABEL_COUNTS
 
 
 def _tutorial_partitions(n, sizes, seed):

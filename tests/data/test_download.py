@@ -11,7 +11,7 @@ import pytest
 import ddptrain.data.datasets
 from ddptrain.data.datasets import download_mnist, mnist
 from ddptrain.data.download import DownloadError, download_files
-from idx_files import (
+from support.idx_files import (
     MNIST_ROOT,
     MNIST_TEST_LABEL_COUNTS,
     closed_port_url,

@@ -17,7 +17,7 @@ import ddptrain.data.datasets
 from ddptrain.data.datasets import DEBIAN_FASHION_MNIST, fashion_mnist, mnist
 from ddptrain.data.download import download_files
 from ddptrain.data.idx import IDXDataset, IDXFormatError, read_idx
-from idx_files import MNIST_ROOT, MNIST_TEST_LABEL_COUNTS, idx_bytes, write_split
+from support.idx_files import MNIST_ROOT, MNIST_TEST_LABEL_COUNTS, idx_bytes, write_split
 
 needs_mnist = pytest.mark.skipif(
     not (MNIST_ROOT / "MNIST/raw").is_dir(), reason=f"shared MNIST not found at {MNIST_ROOT}"

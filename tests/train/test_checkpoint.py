@@ -10,7 +10,6 @@ import warnings
 
 import pytest
 import torch
-from checkpoint_files import file_names, tiny_state
 from torch import nn
 
 import ddptrain.train.checkpoint as ckpt
@@ -26,6 +25,7 @@ from ddptrain.train.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from support.checkpoint_files import file_names, tiny_state
 
 try:
     import numpy as np

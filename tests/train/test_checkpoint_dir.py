@@ -5,7 +5,6 @@ import os
 import stat
 
 import pytest
-from checkpoint_files import file_names, tiny_state
 
 import ddptrain.train.checkpoint as ckpt
 from ddptrain.train.checkpoint import (
@@ -19,6 +18,7 @@ from ddptrain.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from support.checkpoint_files import file_names, tiny_state
 
 
 def test_latest_and_list_ignore_temp_files_and_empty_dirs(tmp_path):

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from child_env import child_env
 
-JOB = Path(__file__).resolve().parents[1] / "fault_job.py"
+from support.child_env import child_env
+
+JOB = Path(__file__).resolve().parents[1] / "support" / "fault_job.py"
 # A missed detection waits for the collective timeout (TrainerConfig.timeout_s, 300 s); a caught
 # one takes seconds (a dead peer resets gloo's connections; a frozen one misses heartbeats).
 # The bound sits far from both, so a loaded 2-core machine that starts processes slowly still

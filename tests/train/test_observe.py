@@ -12,7 +12,7 @@ from ddptrain import profiling
 from ddptrain.plot import curves, timeline
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.timing import PHASES
-from toy_models import ToyTrainer
+from support.toy_models import ToyTrainer
 
 TRAINER_MARKS = {"ddptrain.data", "ddptrain.forward", "ddptrain.backward", "ddptrain.optimizer"}
 WRAPPER_MARKS = {"ddptrain.fill", "ddptrain.launch", "ddptrain.wait", "ddptrain.finalize"}

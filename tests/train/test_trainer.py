@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import ddptrain
-import toy_models
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.config import TrainerConfig
-from toy_models import N_EVAL, ToyTrainer
+from support import toy_models
+from support.toy_models import N_EVAL, ToyTrainer
 
 
 def _config(tmp_path, **overrides) -> TrainerConfig:

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 import ddptrain
-import worlds
-from ddptrain.parallel.comm import RingHook
+from ddptrain.ddp.hooks import RingHook
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.evaluation import evaluate
-from toy_models import N_TRAIN, CrashAt, ToyTrainer
+from support import worlds
+from support.toy_models import N_TRAIN, CrashAt, ToyTrainer
 
 # A spawned world runs many cases, so its first test waits for all of them: generous bounds
 # (a loaded 2-core machine runs it several times slower) that a hang still reaches.

@@ -14,7 +14,7 @@ from torch.utils.data import IterableDataset
 import ddptrain
 from ddptrain.train import uneven
 from ddptrain.train.config import TrainerConfig
-from toy_models import N_EVAL, ToyTrainer
+from support.toy_models import N_EVAL, ToyTrainer
 
 BATCH = 8  # global: 4 per rank at world size 2
 

@@ -1,0 +1,388 @@
+"""Shared-memory all-reduce for ranks on one host: the wrapper's default on CPU under gloo.
+
+    hook = SharedMemoryHook()                     # collective: every rank, same order
+    bucket = hook.allocate(numel, torch.float32, torch.device("cpu"))   # a row of a shared file
+    bucket.copy_(values)
+    hook(bucket, None).wait()                     # bucket now holds the SUM over ranks
+    hook.start_broadcast(tensors, 0).wait()       # rank 0's tensors everywhere (buffers)
+    hook.close()                                  # ddptrain.shutdown() does it
+
+Gloo sends every byte through loopback TCP, copied into and out of the kernel on both sides,
+and even a 100 KB all_reduce costs ~2 ms inside a training step here. Instead, the wrapper's
+buckets are rows of one shared file per bucket: rank r sums chunk r of every row (its own row
+first, then the others by rank: at world size 2 bitwise the backend's a + b) and writes the
+sum into every row. Ranks meet at two barriers per bucket (rows full; chunks summed), counters
+in shared memory that a waiting rank polls, then sleeps on; after the second barrier no rank
+touches another's row, so the next backward may overwrite its own. Reductions run in launch
+order on a worker thread (runner.py), except those waited for at once (a backward's last
+bucket, buffer broadcasts), which the waiting thread runs itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+import uuid
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddptrain import profiling
+from ddptrain.ddp.runner import Done, Job, OrderedRunner
+from ddptrain.dist import close_at_shutdown, global_rank, release_group
+
+SHM_DIR = "/dev/shm"
+# Room left free in SHM_DIR: a full tmpfs kills a process with SIGBUS, not an exception.
+_SHM_HEADROOM_BYTES = 256 * 1024 * 1024
+# Buckets smaller than this stay private and use the backend's all_reduce (0: share all).
+SHM_MIN_BYTES = 0
+# Counters sit 64 bytes apart, so two ranks never write the same cache line.
+_COUNTER_STRIDE = 8
+# A waiting rank polls this many times (yielding the core in between) before it sleeps. At the
+# end of backward, with no more ranks than cores, it goes on polling for up to _SPIN_S: waking
+# from a sleep takes 50-100 us (the timer's slack), which every rank waiting behind it would pay
+# too. The worker thread, which reduces while backward runs, and ranks that outnumber the cores
+# sleep sooner: their polling would take the core from work that is waited for.
+_SPIN_POLLS = 200
+_SPIN_S = 2e-3
+_SLEEP_S = 50e-6
+# While sleeping, a waiting rank checks this often that the peers it waits for still exist.
+_LIVENESS_CHECK_S = 0.2
+
+
+class SharedMemoryHook:
+    """Comm hook: buckets allocated as rows of shared files, summed chunk by chunk in place.
+
+    A bucket not allocated here (or when the tmpfs is short of room) falls back to the
+    backend's all_reduce. Reductions and allocations run one at a time in submission order,
+    on a worker thread (overlapping backward), or on the thread that waits for one not yet
+    started: always for a backward's last bucket (`call_on_wait`) and buffer broadcasts, which
+    are waited on at once, so no thread wake-up sits on the critical path.
+    """
+
+    def __init__(
+        self,
+        process_group: Any = None,
+        min_bytes: int = SHM_MIN_BYTES,
+        timeout_s: float = 300.0,
+    ) -> None:
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        self.min_bytes = min_bytes
+        # Its own gloo group: allocation collectives never interleave with the wrapper's.
+        self.group = dist.new_group(ranks=ranks, backend="gloo")
+        close_at_shutdown(self.close)
+        self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        box = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=global_rank(self.group, 0), group=self.group)
+        self._prefix = os.path.join(SHM_DIR, f"ddptrain-{box[0]}")
+        self._allocations = 0
+        # Per shared bucket (by its row's address), while that row lives: the rows to sum.
+        self._shared: dict[int, _SharedRows] = {}
+        self._runner = OrderedRunner("ddptrain-shm")
+        self._barrier: _SharedBarrier | None = None
+        # broadcast(): per tensor layout, a shared file of two byte slots and the calls so far.
+        self._staging: dict[tuple, torch.Tensor | None] = {}
+        self._broadcasts = 0
+        self._plan: _BroadcastPlan | None = None
+        if self.world_size > 1:
+            size = self.world_size * _COUNTER_STRIDE
+            counters = self._runner.submit(self._map, size, torch.int64).wait()
+            if counters is not None:
+                counters[self.rank * _COUNTER_STRIDE + 1] = os.getpid()
+                dist.barrier(group=self.group)
+                self._barrier = _SharedBarrier(counters, self.rank, self.world_size, timeout_s)
+
+    @staticmethod
+    def available(process_group: Any = None) -> bool:
+        """Collective: True on every rank iff all ranks see the same SHM_DIR (one host)."""
+        world_size = dist.get_world_size(process_group)
+        token = uuid.uuid4().hex if world_size > 1 and os.path.isdir(SHM_DIR) else None
+        box = [token]
+        dist.broadcast_object_list(box, src=global_rank(process_group, 0), group=process_group)
+        probe = os.path.join(SHM_DIR, f"ddptrain-probe-{box[0]}")
+        rank = dist.get_rank(process_group)
+        if box[0] is not None and rank == 0:
+            with open(probe, "w") as f:
+                f.write(box[0])
+        dist.barrier(group=process_group)
+        seen = box[0] is not None and _read(probe) == box[0]
+        everyone = torch.tensor([int(seen)])
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=process_group)
+        if rank == 0 and box[0] is not None:
+            os.unlink(probe)
+        return bool(everyone.item())
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Collective: a zeroed bucket of `numel` elements, this rank's row of a shared file."""
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        private = self._barrier is None or nbytes < max(1, self.min_bytes)
+        if device.type != "cpu" or private:
+            return torch.zeros(numel, dtype=dtype, device=device)
+        flat = self._runner.submit(self._map, self.world_size * numel, dtype).wait()
+        if flat is None:
+            return torch.zeros(numel, dtype=dtype)
+        row = flat[self.rank * numel : (self.rank + 1) * numel]
+        self._shared[row.data_ptr()] = _SharedRows(flat, self.rank, self.world_size)
+        # Forgotten with the row: the file is unmapped once no bucket uses it.
+        weakref.finalize(row, self._shared.pop, row.data_ptr(), None)
+        return row
+
+    def _map(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Collective: map a new zeroed shared file of `numel` elements on every rank."""
+        path = f"{self._prefix}-{self._allocations}"
+        self._allocations += 1
+        room = torch.tensor([0])
+        if self.rank == 0:
+            stat = os.statvfs(SHM_DIR)
+            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+            if stat.f_bavail * stat.f_frsize >= nbytes + _SHM_HEADROOM_BYTES:
+                room[0] = 1
+                torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        dist.broadcast(room, src=global_rank(self.group, 0), group=self.group)
+        if not room.item():
+            return None
+        flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            os.unlink(path)  # the mappings stay valid; nothing is left behind in the tmpfs
+        return flat
+
+    def __call__(self, bucket: torch.Tensor, group: Any) -> Any:
+        return self._launch(bucket, group, on_wait=False)
+
+    def call_on_wait(self, bucket: torch.Tensor, group: Any) -> Any:
+        """The same, for a bucket waited on at once (a backward's last): the waiting thread
+        runs it, which saves waking the worker thread and being woken by it (~0.4 ms a step
+        on a small model)."""
+        return self._launch(bucket, group, on_wait=True)
+
+    def _launch(self, bucket: torch.Tensor, group: Any, on_wait: bool) -> Any:
+        if self.world_size == 1:
+            return Done()
+        self._check_open()
+        rows = self._shared.get(bucket.data_ptr())
+        if rows is None or rows.numel != bucket.numel():
+            return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return self._runner.submit(self._reduce, bucket, rows, wake=not on_wait)
+
+    def _reduce(self, bucket: torch.Tensor, rows: _SharedRows) -> torch.Tensor:
+        # Runs on the worker thread (overlapping backward) or on the thread that waits.
+        with profiling.mark("ddptrain.shm_reduce", bucket.numel()):
+            spin = self._runner.on_waiting_thread()
+            self._barrier.wait(spin)
+            if rows.mine is not None:
+                for other in rows.others:
+                    rows.mine.add_(other)
+                for other in rows.others:
+                    other.copy_(rows.mine)
+            self._barrier.wait(spin)
+            return bucket
+
+    def broadcast(self, tensors: list[torch.Tensor], src: int) -> bool:
+        """Collective: copy rank `src`'s `tensors` into every rank's, through shared memory.
+
+        Returns False, having done nothing, where the hook cannot (see start_broadcast).
+        """
+        work = self.start_broadcast(tensors, src)
+        if work is None:
+            return False
+        work.wait()
+        return True
+
+    def start_broadcast(self, tensors: list[torch.Tensor], src: int) -> Job | None:
+        """Collective, asynchronous: `broadcast` queued behind the buckets already submitted.
+
+        None, having done nothing, where the hook cannot (no shared memory, a tensor not a
+        contiguous CPU one, no room in the tmpfs): the caller then uses the backend. One
+        barrier per call: the file has two slots, used alternately, and a rank reads the slot
+        of call k before it reaches any barrier of call k + 1, so `src` can only overwrite it
+        (at call k + 2) once every rank has read it. `src` copies its tensors out when the job
+        runs, and the others copy in before `wait()` returns.
+        """
+        self._check_open()
+        if self._barrier is None or not tensors:
+            return None
+        plan = self._plan
+        if plan is None or not plan.serves(tensors):
+            plan = self._plan = self._plan_broadcast(tensors)
+        if plan is None:
+            return None
+        parity = self._broadcasts % 2
+        self._broadcasts += 1
+        # Waited on at once by the caller, so it runs there (see call_on_wait).
+        return self._runner.submit(self._broadcast_bytes, plan, parity, src, wake=False)
+
+    def _plan_broadcast(self, tensors: list[torch.Tensor]) -> _BroadcastPlan | None:
+        if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+            return None
+        key = tuple((t.dtype, t.numel()) for t in tensors)
+        if key not in self._staging:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            self._staging[key] = self._runner.submit(self._map, 2 * nbytes, torch.uint8).wait()
+        staging = self._staging[key]
+        return None if staging is None else _BroadcastPlan(tensors, staging)
+
+    def _broadcast_bytes(self, plan: _BroadcastPlan, parity: int, src: int) -> None:
+        # One op each way, not one per tensor: a model has a few buffers per norm layer.
+        if self.rank == src:
+            torch.cat(plan.as_bytes, out=plan.slots[parity])
+        self._barrier.wait(self._runner.on_waiting_thread())
+        if self.rank != src:
+            torch._foreach_copy_(plan.as_bytes, plan.parts[parity])
+
+    def _check_open(self) -> None:
+        if self.group is None:
+            raise RuntimeError(
+                "this SharedMemoryHook was closed (ddptrain.shutdown() closes it); build the "
+                "model's wrapper again after init_distributed()"
+            )
+
+    def close(self) -> None:
+        """Stop the worker thread (reductions not yet started are cancelled) and destroy the
+        hook's group; ddptrain.shutdown() calls it. The hook reduces nothing afterwards."""
+        self._runner.close()
+        self._barrier = None
+        self._plan = None
+        release_group(self.group)
+        self.group = None
+
+
+class _SharedRows:
+    """A shared bucket's file as one row per rank, and the slices of chunk `rank` that this
+    rank sums: its own row's first, then the others' by rank (at world size 2 bitwise the
+    backend's a + b). Sliced once per bucket: slicing each step costs ~30 us of dispatch on a
+    slow CPU, more than summing a small bucket."""
+
+    def __init__(self, flat: torch.Tensor, rank: int, world_size: int) -> None:
+        self.numel = numel = flat.numel() // world_size
+        rows = flat.view(world_size, numel)
+        lo, hi = numel * rank // world_size, numel * (rank + 1) // world_size
+        # None: a bucket smaller than the world leaves some ranks no chunk to sum.
+        self.mine = rows[rank, lo:hi] if hi > lo else None
+        self.others = [rows[k, lo:hi] for k in range(world_size) if k != rank]
+
+
+class _BroadcastPlan:
+    """A list of tensors as bytes and the two staging slots split to match, made once and
+    reused while the same tensors come back: a wrapper's buffers, every step. Making the views
+    costs ~0.1 ms of dispatch a call on a slow CPU, more than copying a model's buffers."""
+
+    def __init__(self, tensors: list[torch.Tensor], staging: torch.Tensor) -> None:
+        self.tensors = list(tensors)
+        # A tensor given new memory (`.data = ...`, a resize) must not be served stale views.
+        self.places = [(t.data_ptr(), t.numel()) for t in tensors]
+        self.as_bytes = [t.view(-1).view(torch.uint8) for t in tensors]
+        self.slots = list(staging.view(2, -1))
+        sizes = [b.numel() for b in self.as_bytes]
+        self.parts = [slot.split(sizes) for slot in self.slots]
+
+    def serves(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether `tensors` are this plan's, in the same memory."""
+        return len(tensors) == len(self.tensors) and all(
+            t is mine and (t.data_ptr(), t.numel()) == place
+            for t, mine, place in zip(tensors, self.tensors, self.places, strict=True)
+        )
+
+
+class _SharedBarrier:
+    """All ranks of one host meet here: a counter per rank in shared memory, polled.
+
+    A rank that dies leaves no error on a socket for the others to see, so a waiting rank
+    checks, while it sleeps, that the peers it waits for still exist (by process id, when
+    the ranks share a process namespace) and raises at once, naming the rank, if one is gone.
+    """
+
+    def __init__(self, counters: torch.Tensor, rank: int, world_size: int, timeout_s: float):
+        self._counters = counters  # keeps the memory that _words reads alive
+        # The counters as machine words, read and written from Python directly: a torch op
+        # costs 3-13 us of dispatch on a slow CPU, and a barrier reads them at least once.
+        self._words = (ctypes.c_int64 * counters.numel()).from_address(counters.data_ptr())
+        self._mine = rank * _COUNTER_STRIDE
+        self._others = [r * _COUNTER_STRIDE for r in range(world_size) if r != rank]
+        pids = counters[1::_COUNTER_STRIDE].tolist()
+        # Peers in another process namespace are invisible from the start: no liveness check.
+        self._pids = {r: pid for r, pid in enumerate(pids) if r != rank and _alive(pid)}
+        self._timeout_s = timeout_s
+        self._spin_s = _SPIN_S if world_size <= (os.cpu_count() or 1) else 0.0
+        self._arrivals = 0
+        # Acquiring and releasing a lock is a full memory fence on every platform: the row
+        # writes before it are visible to peers before the counter that announces them.
+        self._fence = threading.Lock()
+
+    def wait(self, spin: bool = False) -> None:
+        """Arrive and wait for every rank; spin: poll for up to _SPIN_S before sleeping."""
+        self._arrivals += 1
+        words, arrivals = self._words, self._arrivals
+        with self._fence:
+            words[self._mine] = arrivals
+        polls = 0
+        began = None
+        while any(words[i] < arrivals for i in self._others):
+            polls += 1
+            if polls < _SPIN_POLLS:
+                os.sched_yield()
+                continue
+            now = time.monotonic()
+            if began is None:
+                began, deadline, next_check = now, now + self._timeout_s, now
+            if now > next_check:
+                self._check_peers()
+                next_check = now + _LIVENESS_CHECK_S
+            if now > deadline:
+                raise RuntimeError(
+                    f"a rank did not reach shared-memory barrier #{self._arrivals} within "
+                    f"{self._timeout_s:.0f} s (it hangs, or runs a different model or step)"
+                )
+            if spin and now - began < self._spin_s:
+                os.sched_yield()
+            else:
+                time.sleep(_SLEEP_S)
+        with self._fence:
+            pass
+
+    def _check_peers(self) -> None:
+        for rank, pid in self._pids.items():
+            if self._words[rank * _COUNTER_STRIDE] < self._arrivals and not _alive(pid):
+                raise RuntimeError(
+                    f"rank {rank} (pid {pid}) exited while the others waited for it at "
+                    f"shared-memory barrier #{self._arrivals}"
+                )
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (visible in this namespace)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")
+
+
+def shared_memory_usable(process_group: Any = None, on_cpu: bool = True) -> bool:
+    """Collective: whether SharedMemoryHook can serve this group (gloo, CPU, one host)."""
+    # The hook builds a group of its own, which every rank of the default group must join.
+    whole_world = process_group is None or (
+        dist.get_world_size(process_group) == dist.get_world_size()
+    )
+    gloo = dist.get_backend(process_group) == "gloo"
+    return gloo and on_cpu and whole_world and SharedMemoryHook.available(process_group)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None

@@ -1,0 +1,59 @@
+"""The wrapper's buffers: rank 0's, sent before the forward or with the gradients.
+
+    buffers = ModelBuffers(module, comm_hook, group)     # collective construction is the wrapper's
+    if buffers and not buffers.follow_gradients():       # a forward that may read them
+        buffers.sync(src=0)                              # collective: rank 0's, in place
+    work = buffers.start_sync(0)                         # with the last bucket; work.wait() later
+
+Official DDP broadcasts rank 0's buffers before every forward. A norm layer in training mode
+(BatchNorm, InstanceNorm, SyncBatchNorm: torch's _NormBase) normalizes with the batch's own
+statistics and only writes its running ones, so for a model whose every buffer is such a
+statistic, rank 0's values as its forward left them can travel with the last bucket instead:
+training is the same, the ranks meet once per step instead of twice, and every rank ends the
+step with rank 0's statistics. Any other buffer, and a norm layer in eval mode, may be read by
+the forward, so those are sent before it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from ddptrain.ddp.replicas import coalesce, start_broadcast_coalesced
+
+
+class ModelBuffers:
+    """A module's buffers, and how to make every rank's equal to one rank's."""
+
+    def __init__(self, module: nn.Module, comm_hook: Any, process_group: Any) -> None:
+        self.tensors = list(module.buffers())
+        self._chunks = coalesce(self.tensors)
+        self._comm_hook, self._group = comm_hook, process_group
+        owners = [m for m in module.modules() if next(m.buffers(recurse=False), None) is not None]
+        self._norm_layers = [m for m in owners if isinstance(m, _NormBase)]
+        self._only_norm_statistics = len(self._norm_layers) == len(owners)
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    def follow_gradients(self) -> bool:
+        """Whether a forward now may leave them to the gradients: it cannot read them."""
+        return self._only_norm_statistics and all(layer.training for layer in self._norm_layers)
+
+    @torch.no_grad()
+    def sync(self, src: int) -> None:
+        """Collective: every rank's buffers become rank `src`'s."""
+        self.start_sync(src).wait()
+
+    @torch.no_grad()
+    def start_sync(self, src: int) -> Any:
+        """Collective, asynchronous: rank `src`'s buffers as they are now, in place by wait()."""
+        # A hook with its own broadcast (shared memory) saves the backend's round trip.
+        by_hook = getattr(self._comm_hook, "start_broadcast", None)
+        work = by_hook(self.tensors, src) if by_hook is not None else None
+        if work is None:
+            work = start_broadcast_coalesced(self._chunks, self._group, src)
+        return work

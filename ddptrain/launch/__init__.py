@@ -1,0 +1,1 @@
+"""How processes are started: launcher variables (env.py) and ddptrain.spawn (spawn.py)."""

@@ -1,0 +1,1 @@
+"""Optimizers over the wrapper: ZeRO (sharded optimizer state)."""

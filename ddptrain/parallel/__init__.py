@@ -1,1 +1,0 @@
-"""Parallel: the DDP wrapper, bucket assignment, communication hooks, shared memory."""
