@@ -20,15 +20,14 @@ import shutil
 import subprocess
 import tempfile
 import time
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
+from ddptrain.ddp.groups import run_closers, set_timeout_s
 from ddptrain.launch.env import INIT_METHOD_ENV as INIT_METHOD_ENV  # spawn and tests set it here
 from ddptrain.launch.env import LaunchEnv, LaunchError, detect_launcher, expand_nodelist, parse_env
 
@@ -133,6 +132,7 @@ def init_distributed(
     if device.type == "cuda":
         kwargs["device_id"] = device
     timeout = datetime.timedelta(seconds=timeout_s)
+    set_timeout_s(timeout_s)
     group = _next_group()
     try:
         if method == "env://":
@@ -295,41 +295,10 @@ def current_info() -> DistInfo:
     )
 
 
-# What shutdown() closes before it destroys the groups: comm hooks' worker threads and their
-# own groups. A group left alive until the interpreter exits may still have a gloo thread
-# releasing a finished collective's tensors, which takes the GIL that an exiting interpreter no
-# longer gives: a C++ abort ("terminate called without an active exception") instead of exit 0.
-_closers: list[weakref.WeakMethod] = []
-
-
-def close_at_shutdown(method: Callable[[], None]) -> None:
-    """Have shutdown() call `method` first (a bound method; its object is held weakly)."""
-    _closers.append(weakref.WeakMethod(method))
-
-
-def global_rank(group: Any, group_rank: int) -> int:
-    """The default group's rank of `group`'s rank `group_rank` (None: the default group)."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
-def release_group(group: Any) -> None:
-    """Destroy a group made with new_group(), unless shutdown() destroyed it already."""
-    if group is None or not dist.is_initialized():
-        return
-    try:
-        dist.destroy_process_group(group)
-    except ValueError:  # no longer registered: destroyed with the default group
-        pass
-
-
 def shutdown() -> None:
-    """Close what was registered with close_at_shutdown, then destroy every process group
-    (safe to call twice)."""
-    closers = [ref() for ref in reversed(_closers)]
-    _closers.clear()
-    for close in closers:
-        if close is not None:
-            close()
+    """Close what was registered with close_at_shutdown (transports), then destroy every
+    process group (safe to call twice)."""
+    run_closers()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -10,11 +10,9 @@
     tracer = StepTracer((5, 7), "runs/x", rank)           # what TrainerConfig.profile_steps does
     tracer.before_step(step + 1); ...; tracer.after_step(step + 1)
 
-`torch.profiler.record_function` costs ~10-15 us even with no profiler running (measured on the
-loaded 2-core test machine), and the wrapper's hooks run once per parameter per step, so marks
-are behind a module flag: when it is off, `mark()` is one attribute read and a shared null
-context (< 1 us). The profiler records every thread, so the shared-memory reduction on its
-worker thread shows up beside the backward pass that it overlaps.
+Marks are free while no trace is taken (ddp/marks.py says why). The profiler records every
+thread, so a bucket's reduction on the wrapper's communication thread shows up beside the
+backward pass that it overlaps.
 """
 
 from __future__ import annotations
@@ -23,33 +21,15 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
-# Set only inside trace(): read on the hot path, so a plain module global.
-active = False
-_OFF = contextlib.nullcontext()
+from ddptrain.ddp import marks
+from ddptrain.ddp.marks import mark, marks_on
 
-
-def mark(name: str, index: int | None = None) -> contextlib.AbstractContextManager[Any]:
-    """A record_function span named `name` (plus ` {index}`) while tracing, else a no-op."""
-    if not active:
-        return _OFF
-    return record_function(name if index is None else f"{name} {index}")
-
-
-@contextlib.contextmanager
-def marks_on() -> Iterator[None]:
-    """Turn marks on for a profiler you run yourself (torch.profiler.profile)."""
-    global active
-    previous, active = active, True
-    try:
-        yield
-    finally:
-        active = previous
+__all__ = ["StepTracer", "mark", "marks_on", "range_missed", "trace", "trace_path"]
 
 
 def _profiler() -> profile:
@@ -101,10 +81,9 @@ class StepTracer:
         if not self.steps[0] <= step <= self.steps[1]:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        global active
         self._prof = _profiler()
         self._prof.start()
-        self._was_active, active = active, True
+        self._was_active, marks.active = marks.active, True
         # Ranks start their profilers at different moments; meeting here keeps that skew out
         # of the first profiled step's wait for buckets.
         if dist.is_initialized():
@@ -119,9 +98,8 @@ class StepTracer:
         """Stop and write the trace if profiling (the loop may end before the last step)."""
         if self._prof is None:
             return
-        global active
         prof, self._prof = self._prof, None
         self._done = True
-        active = self._was_active
+        marks.active = self._was_active
         prof.stop()
         prof.export_chrome_trace(str(self.path))

@@ -21,14 +21,13 @@ import torch.nn.functional as F
 import ddptrain
 from ddptrain.bench.models import MLP
 from ddptrain.bench.report import machine
-from ddptrain.train.config import TrainerConfig
+from ddptrain.train.config import COMM_HOOKS
 
 
 def _run(sharded: bool, steps: int, comm_hook: str) -> dict:
     info = ddptrain.init_distributed()
     torch.manual_seed(0)
-    hook = TrainerConfig(comm_hook=comm_hook).resolve_comm_hook()
-    model = ddptrain.DistributedDataParallel(MLP(), comm_hook=hook)
+    model = ddptrain.DistributedDataParallel(MLP(), comm_hook=comm_hook)
     if sharded:
         opt = ddptrain.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
     else:
@@ -51,7 +50,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-sizes", default="1,2,4")
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--comm-hook", default="default", help="the wrapper's hook (TrainerConfig)")
+    p.add_argument("--comm-hook", default="default", choices=COMM_HOOKS, help="the transport")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
     rows = []

@@ -225,7 +225,8 @@ CASES: dict[str, Case] = {
     ),
     "comm-hook-not-callable": Case(
         TypeError,
-        f"comm_hook must be a hook (callable) or one of default{GAP}got int",
+        f"comm_hook must be a transport name (default, allreduce{GAP}got int; register a "
+        "hook(state, bucket) with model.register_comm_hook(state, hook)",
         make.comm_hook_not_callable,
     ),
     "create-graph": Case(

@@ -112,7 +112,7 @@ def test_two_namespaces_equal_one_host_of_four(two_hosts, tmp_path):
 
     multi, ref = _load(multi_out), _load(ref_out)
     assert multi["world_size"] == ref["world_size"] == 4
-    assert multi["comm_hook"] == ref["comm_hook"] == "SocketHook"
+    assert multi["comm_hook"] == ref["comm_hook"] == "Socket"
     placements = multi["placements"]
     assert [p["rank"] for p in placements] == [0, 1, 2, 3]
     # c10d rendezvous numbers nodes in sorted order of --local-addr, so host a is node 0.

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.cpu.shm import SharedMemoryHook, shared_memory_usable
-from ddptrain.ddp.hooks import ring_all_reduce
+from ddptrain.cpu.ring import ring_all_reduce
+from ddptrain.cpu.shm import SharedMemory, shared_memory_usable
+from ddptrain.ddp.hooks import GradBucket
 
 
 def bench_all_reduce(sizes_mb: tuple[int, ...], reps: int, device: torch.device) -> dict[str, Any]:
@@ -29,9 +30,9 @@ def bench_all_reduce(sizes_mb: tuple[int, ...], reps: int, device: torch.device)
     }
     shm_tensors = {}
     if device.type == "cpu" and shared_memory_usable():
-        shm = SharedMemoryHook()
+        shm = SharedMemory()
         shm_tensors = {mb: shm.allocate(t.numel(), t.dtype, device) for mb, t in tensors.items()}
-        kinds["shm"] = lambda t: shm(t, None).wait()
+        kinds["shm"] = lambda t: shm.reduce(GradBucket(0, t, [], [], True))
         # The memory-bandwidth bound of a reduction: one thread adds the same bytes into another
         # buffer and copies them out (every rank at once, as the ranks' reductions share memory).
         scratch = {t.numel(): (torch.ones_like(t), torch.empty_like(t)) for t in tensors.values()}

@@ -19,18 +19,19 @@ from typing import Any
 import torch
 
 from ddptrain.cpu.shm import SHM_DIR
-from ddptrain.cpu.tcp import SocketHook
+from ddptrain.cpu.tcp import Socket
+from ddptrain.ddp.hooks import Cast
 from ddptrain.ddp.wrapper import DistributedDataParallel
 
 
 def bucket_transport(model: DistributedDataParallel) -> str:
     """How the wrapper's buckets were reduced in its last backward: "shared_memory", "tcp",
     "backend", "mixed", or "none" (a world of one)."""
-    # Each .grad is a view of its bucket after backward, and a bucket SharedMemoryHook
-    # reduces is a row of a file it mapped in SHM_DIR; any other bucket (a private tensor)
-    # goes through the TCP hook or the backend's all_reduce. This reads where the memory is,
-    # not which hook was asked for, so a fallback (a full tmpfs, ranks on two hosts) shows;
-    # a TCP hook exists only where its connections were made.
+    # Each .grad is a view of its bucket after backward, and a bucket the shared-memory
+    # transport reduces is a row of a file it mapped in SHM_DIR; any other bucket (a private
+    # tensor) goes through the TCP transport or the backend's all_reduce. This reads where the
+    # memory is, not which transport was asked for, so a fallback (a full tmpfs, ranks on two
+    # hosts) shows; a TCP transport exists only where its connections were made.
     if model.world_size == 1:
         return "none"
     shared = {_in_shared_file(p.grad) for p in model.module.parameters() if p.grad is not None}
@@ -38,8 +39,10 @@ def bucket_transport(model: DistributedDataParallel) -> str:
         return "shared_memory"
     if shared == {True, False}:
         return "mixed"
-    hook = model.comm_hook
-    return "tcp" if isinstance(getattr(hook, "inner", hook), SocketHook) else "backend"
+    transport = model.comm_hook[0]
+    if isinstance(transport, Cast):
+        transport = transport.inner
+    return "tcp" if isinstance(transport, Socket) else "backend"
 
 
 def _in_shared_file(t: torch.Tensor) -> bool:

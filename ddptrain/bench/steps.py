@@ -48,13 +48,13 @@ from ddptrain.bench.collectives import bench_all_reduce
 from ddptrain.bench.models import MODELS
 from ddptrain.bench.placement import bucket_transport, hosts, this_host, transport
 from ddptrain.bench.report import format_table, machine, plot, summarize
-from ddptrain.ddp.hooks import allreduce_hook, make_hook
+from ddptrain.ddp.hooks import GradBucket, Transport
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import LaunchError, launched_by
 from ddptrain.optim.zero import ZeroRedundancyOptimizer
 
 BASE_VARIANTS = ("ddptrain", "torch_ddp", "naive", "local")
-# Opt-in ddptrain variants: --extras name -> the comm hook (comm.make_hook name) it runs with.
+# Opt-in ddptrain variants: --extras name -> the transport (ddptrain.ddp.hooks.NAMES) it uses.
 EXTRAS = {
     "gloo": "allreduce",
     "bf16": "bf16",
@@ -106,15 +106,14 @@ def _make_variant(name: str, base: nn.Module, world_size: int) -> tuple[nn.Modul
     if name == "ddptrain" or name.removeprefix("ddptrain_") in OPTIMIZER_EXTRAS:
         model: nn.Module = DistributedDataParallel(module)
     elif name.startswith("ddptrain_"):
-        hook = make_hook(EXTRAS[name.removeprefix("ddptrain_")])
-        model = DistributedDataParallel(module, comm_hook=hook)
+        model = DistributedDataParallel(module, comm_hook=EXTRAS[name.removeprefix("ddptrain_")])
     elif name == "flat":
         model = module
         after = lambda: _flat_average(module, world_size)  # noqa: E731
     elif name in ("hooked", "hooked_rebuild"):
         model = DistributedDataParallel(
             module,
-            comm_hook=allreduce_hook,
+            comm_hook="allreduce",
             rebuild_buckets=name == "hooked_rebuild",
             gradient_as_bucket_view=False,
         )
@@ -155,14 +154,13 @@ def _bench_model(
         runs[v] = (model, after, _make_optimizer(v, model))
     ours = runs.get("ddptrain", (None,))[0]
     comm_buckets = []
-    if isinstance(ours, DistributedDataParallel):
-        # Buffers placed as the wrapper's hook places its buckets (shared memory or not).
-        alloc = getattr(ours.comm_hook, "allocate", None)
-        for nbytes in ours.bucket_sizes_bytes:
-            numel = nbytes // 4
-            comm_buckets.append(
-                alloc(numel, torch.float32, device) if alloc else torch.zeros(numel, device=device)
-            )
+    transport = ours.comm_hook[0] if isinstance(ours, DistributedDataParallel) else None
+    if isinstance(transport, Transport):
+        # Buffers placed as the wrapper's transport places its buckets (shared memory or not).
+        sizes = ours.bucket_sizes_bytes
+        for b, nbytes in enumerate(sizes):
+            flat = transport.allocate(nbytes // 4, torch.float32, device)
+            comm_buckets.append(GradBucket(b, flat, [], [], b == len(sizes) - 1))
     g = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(batch_size, *sample_shape, generator=g).to(device)
     y = torch.randint(0, 10, (batch_size,), generator=g).to(device)
@@ -185,9 +183,8 @@ def _bench_model(
             # ~5x slower then, measured), so only each block of steps starts aligned.
             for _ in range(block):
                 if v == "comm_alone":
-                    works = [ours.comm_hook(b, None) for b in comm_buckets]
-                    for w in works:
-                        w.wait()
+                    for bucket in comm_buckets:
+                        transport.reduce(bucket)
                 else:
                     model, after, opt = runs[v]
                     opt.zero_grad(set_to_none=True)

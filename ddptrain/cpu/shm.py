@@ -1,11 +1,11 @@
 """Shared-memory all-reduce for ranks on one host: the wrapper's default on CPU under gloo.
 
-    hook = SharedMemoryHook()                     # collective: every rank, same order
-    bucket = hook.allocate(numel, torch.float32, torch.device("cpu"))   # a row of a shared file
+    shm = SharedMemory()                          # collective: every rank, same order
+    bucket = shm.allocate(numel, torch.float32, torch.device("cpu"))   # a row of a shared file
     bucket.copy_(values)
-    hook(bucket, None).wait()                     # bucket now holds the SUM over ranks
-    hook.start_broadcast(tensors, 0).wait()       # rank 0's tensors everywhere (buffers)
-    hook.close()                                  # ddptrain.shutdown() does it
+    shm.reduce(GradBucket(0, bucket, [], [], True))   # bucket now holds the SUM over ranks
+    shm.broadcast(tensors, 0)                     # rank 0's tensors everywhere (buffers)
+    shm.close()                                   # ddptrain.shutdown() does it
 
 Gloo sends every byte through loopback TCP, copied into and out of the kernel on both sides,
 and even a 100 KB all_reduce costs ~2 ms inside a training step here. Instead, the wrapper's
@@ -13,9 +13,9 @@ buckets are rows of one shared file per bucket: rank r sums chunk r of every row
 first, then the others by rank: at world size 2 bitwise the backend's a + b) and writes the
 sum into every row. Ranks meet at two barriers per bucket (rows full; chunks summed), counters
 in shared memory that a waiting rank polls, then sleeps on; after the second barrier no rank
-touches another's row, so the next backward may overwrite its own. Reductions run in launch
-order on a worker thread (runner.py), except those waited for at once (a backward's last
-bucket, buffer broadcasts), which the waiting thread runs itself.
+touches another's row, so the next backward may overwrite its own. The wrapper runs reductions
+one at a time in bucket order, on its communication thread while backward goes on, and a
+backward's last bucket on the thread that waits for it.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain import profiling
-from ddptrain.ddp.runner import Done, Job, OrderedRunner
-from ddptrain.dist import close_at_shutdown, global_rank, release_group
+from ddptrain.ddp import groups
+from ddptrain.ddp.groups import close_at_shutdown, global_rank, new_group_like, release_group
+from ddptrain.ddp.hooks import GradBucket, Transport
 
 SHM_DIR = "/dev/shm"
 # Room left free in SHM_DIR: a full tmpfs kills a process with SIGBUS, not an exception.
-_SHM_HEADROOM_BYTES = 256 * 1024 * 1024
+SHM_HEADROOM_BYTES = 256 * 1024 * 1024
 # Buckets smaller than this stay private and use the backend's all_reduce (0: share all).
 SHM_MIN_BYTES = 0
 # Counters sit 64 bytes apart, so two ranks never write the same cache line.
@@ -45,8 +45,8 @@ _COUNTER_STRIDE = 8
 # A waiting rank polls this many times (yielding the core in between) before it sleeps. At the
 # end of backward, with no more ranks than cores, it goes on polling for up to _SPIN_S: waking
 # from a sleep takes 50-100 us (the timer's slack), which every rank waiting behind it would pay
-# too. The worker thread, which reduces while backward runs, and ranks that outnumber the cores
-# sleep sooner: their polling would take the core from work that is waited for.
+# too. Reductions while backward runs, and ranks that outnumber the cores, sleep sooner: their
+# polling would take the core from work that is waited for.
 _SPIN_POLLS = 200
 _SPIN_S = 2e-3
 _SLEEP_S = 50e-6
@@ -54,26 +54,22 @@ _SLEEP_S = 50e-6
 _LIVENESS_CHECK_S = 0.2
 
 
-class SharedMemoryHook:
-    """Comm hook: buckets allocated as rows of shared files, summed chunk by chunk in place.
+class SharedMemory(Transport):
+    """Buckets allocated as rows of shared files, summed chunk by chunk in place.
 
-    A bucket not allocated here (or when the tmpfs is short of room) falls back to the
-    backend's all_reduce. Reductions and allocations run one at a time in submission order,
-    on a worker thread (overlapping backward), or on the thread that waits for one not yet
-    started: always for a backward's last bucket (`call_on_wait`) and buffer broadcasts, which
-    are waited on at once, so no thread wake-up sits on the critical path.
+    A bucket not allocated here (small, or when the tmpfs is short of room) falls back to the
+    backend's all_reduce on a group of the transport's own. CPU buckets only.
     """
 
     def __init__(
         self,
         process_group: Any = None,
         min_bytes: int = SHM_MIN_BYTES,
-        timeout_s: float = 300.0,
+        timeout_s: float | None = None,
     ) -> None:
-        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         self.min_bytes = min_bytes
         # Its own gloo group: allocation collectives never interleave with the wrapper's.
-        self.group = dist.new_group(ranks=ranks, backend="gloo")
+        self.group = new_group_like(process_group, backend="gloo")
         close_at_shutdown(self.close)
         self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
@@ -83,7 +79,6 @@ class SharedMemoryHook:
         self._allocations = 0
         # Per shared bucket (by its row's address), while that row lives: the rows to sum.
         self._shared: dict[int, _SharedRows] = {}
-        self._runner = OrderedRunner("ddptrain-shm")
         self._barrier: _SharedBarrier | None = None
         # broadcast(): per tensor layout, a shared file of two byte slots and the calls so far.
         self._staging: dict[tuple, torch.Tensor | None] = {}
@@ -91,11 +86,12 @@ class SharedMemoryHook:
         self._plan: _BroadcastPlan | None = None
         if self.world_size > 1:
             size = self.world_size * _COUNTER_STRIDE
-            counters = self._runner.submit(self._map, size, torch.int64).wait()
+            counters = self._map(size, torch.int64)
             if counters is not None:
                 counters[self.rank * _COUNTER_STRIDE + 1] = os.getpid()
                 dist.barrier(group=self.group)
-                self._barrier = _SharedBarrier(counters, self.rank, self.world_size, timeout_s)
+                wait_s = groups.timeout_s() if timeout_s is None else timeout_s
+                self._barrier = _SharedBarrier(counters, self.rank, self.world_size, wait_s)
 
     @staticmethod
     def available(process_group: Any = None) -> bool:
@@ -119,11 +115,15 @@ class SharedMemoryHook:
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Collective: a zeroed bucket of `numel` elements, this rank's row of a shared file."""
+        if device.type != "cpu":
+            raise ValueError(
+                f"the shared-memory transport reduces CPU buckets, not {device}; use "
+                "comm_hook='allreduce' (the backend's all_reduce) for this model"
+            )
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        private = self._barrier is None or nbytes < max(1, self.min_bytes)
-        if device.type != "cpu" or private:
-            return torch.zeros(numel, dtype=dtype, device=device)
-        flat = self._runner.submit(self._map, self.world_size * numel, dtype).wait()
+        if self._barrier is None or nbytes < max(1, self.min_bytes):
+            return torch.zeros(numel, dtype=dtype)
+        flat = self._map(self.world_size * numel, dtype)
         if flat is None:
             return torch.zeros(numel, dtype=dtype)
         row = flat[self.rank * numel : (self.rank + 1) * numel]
@@ -140,7 +140,7 @@ class SharedMemoryHook:
         if self.rank == 0:
             stat = os.statvfs(SHM_DIR)
             nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-            if stat.f_bavail * stat.f_frsize >= nbytes + _SHM_HEADROOM_BYTES:
+            if stat.f_bavail * stat.f_frsize >= nbytes + SHM_HEADROOM_BYTES:
                 room[0] = 1
                 torch.from_file(path, shared=True, size=numel, dtype=dtype)
         dist.broadcast(room, src=global_rank(self.group, 0), group=self.group)
@@ -152,70 +152,53 @@ class SharedMemoryHook:
             os.unlink(path)  # the mappings stay valid; nothing is left behind in the tmpfs
         return flat
 
-    def __call__(self, bucket: torch.Tensor, group: Any) -> Any:
-        return self._launch(bucket, group, on_wait=False)
-
-    def call_on_wait(self, bucket: torch.Tensor, group: Any) -> Any:
-        """The same, for a bucket waited on at once (a backward's last): the waiting thread
-        runs it, which saves waking the worker thread and being woken by it (~0.4 ms a step
-        on a small model)."""
-        return self._launch(bucket, group, on_wait=True)
-
-    def _launch(self, bucket: torch.Tensor, group: Any, on_wait: bool) -> Any:
-        if self.world_size == 1:
-            return Done()
+    def reduce(self, bucket: GradBucket) -> None:
+        """Sum the bucket over ranks in place: through shared memory when it was allocated
+        here, else with the backend's all_reduce."""
         self._check_open()
-        rows = self._shared.get(bucket.data_ptr())
-        if rows is None or rows.numel != bucket.numel():
-            return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return self._runner.submit(self._reduce, bucket, rows, wake=not on_wait)
-
-    def _reduce(self, bucket: torch.Tensor, rows: _SharedRows) -> torch.Tensor:
-        # Runs on the worker thread (overlapping backward) or on the thread that waits.
-        with profiling.mark("ddptrain.shm_reduce", bucket.numel()):
-            spin = self._runner.on_waiting_thread()
-            self._barrier.wait(spin)
-            if rows.mine is not None:
-                for other in rows.others:
-                    rows.mine.add_(other)
-                for other in rows.others:
-                    other.copy_(rows.mine)
-            self._barrier.wait(spin)
-            return bucket
+        flat = bucket.buffer()
+        if self.world_size == 1:
+            return
+        rows = self._shared.get(flat.data_ptr())
+        if rows is None or rows.numel != flat.numel():
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            return
+        # The last bucket is reduced by the thread that waits for it: poll, do not sleep.
+        spin = bucket.is_last()
+        self._barrier.wait(spin)
+        if rows.mine is not None:
+            for other in rows.others:
+                rows.mine.add_(other)
+            for other in rows.others:
+                other.copy_(rows.mine)
+        self._barrier.wait(spin)
 
     def broadcast(self, tensors: list[torch.Tensor], src: int) -> bool:
         """Collective: copy rank `src`'s `tensors` into every rank's, through shared memory.
 
-        Returns False, having done nothing, where the hook cannot (see start_broadcast).
-        """
-        work = self.start_broadcast(tensors, src)
-        if work is None:
-            return False
-        work.wait()
-        return True
-
-    def start_broadcast(self, tensors: list[torch.Tensor], src: int) -> Job | None:
-        """Collective, asynchronous: `broadcast` queued behind the buckets already submitted.
-
-        None, having done nothing, where the hook cannot (no shared memory, a tensor not a
+        False, having done nothing, where it cannot (no shared memory, a tensor not a
         contiguous CPU one, no room in the tmpfs): the caller then uses the backend. One
         barrier per call: the file has two slots, used alternately, and a rank reads the slot
         of call k before it reaches any barrier of call k + 1, so `src` can only overwrite it
-        (at call k + 2) once every rank has read it. `src` copies its tensors out when the job
-        runs, and the others copy in before `wait()` returns.
+        (at call k + 2) once every rank has read it.
         """
         self._check_open()
         if self._barrier is None or not tensors:
-            return None
+            return False
         plan = self._plan
         if plan is None or not plan.serves(tensors):
             plan = self._plan = self._plan_broadcast(tensors)
         if plan is None:
-            return None
+            return False
         parity = self._broadcasts % 2
         self._broadcasts += 1
-        # Waited on at once by the caller, so it runs there (see call_on_wait).
-        return self._runner.submit(self._broadcast_bytes, plan, parity, src, wake=False)
+        # One op each way, not one per tensor: a model has a few buffers per norm layer.
+        if self.rank == src:
+            torch.cat(plan.as_bytes, out=plan.slots[parity])
+        self._barrier.wait(spin=True)
+        if self.rank != src:
+            torch._foreach_copy_(plan.as_bytes, plan.parts[parity])
+        return True
 
     def _plan_broadcast(self, tensors: list[torch.Tensor]) -> _BroadcastPlan | None:
         if not all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
@@ -223,29 +206,20 @@ class SharedMemoryHook:
         key = tuple((t.dtype, t.numel()) for t in tensors)
         if key not in self._staging:
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            self._staging[key] = self._runner.submit(self._map, 2 * nbytes, torch.uint8).wait()
+            self._staging[key] = self._map(2 * nbytes, torch.uint8)
         staging = self._staging[key]
         return None if staging is None else _BroadcastPlan(tensors, staging)
-
-    def _broadcast_bytes(self, plan: _BroadcastPlan, parity: int, src: int) -> None:
-        # One op each way, not one per tensor: a model has a few buffers per norm layer.
-        if self.rank == src:
-            torch.cat(plan.as_bytes, out=plan.slots[parity])
-        self._barrier.wait(self._runner.on_waiting_thread())
-        if self.rank != src:
-            torch._foreach_copy_(plan.as_bytes, plan.parts[parity])
 
     def _check_open(self) -> None:
         if self.group is None:
             raise RuntimeError(
-                "this SharedMemoryHook was closed (ddptrain.shutdown() closes it); build the "
-                "model's wrapper again after init_distributed()"
+                "this shared-memory transport was closed (ddptrain.shutdown() closes it); build "
+                "the model's wrapper again after init_distributed()"
             )
 
     def close(self) -> None:
-        """Stop the worker thread (reductions not yet started are cancelled) and destroy the
-        hook's group; ddptrain.shutdown() calls it. The hook reduces nothing afterwards."""
-        self._runner.close()
+        """Destroy the transport's group and forget its memory; ddptrain.shutdown() calls it.
+        It reduces nothing afterwards."""
         self._barrier = None
         self._plan = None
         release_group(self.group)
@@ -370,14 +344,14 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def shared_memory_usable(process_group: Any = None, on_cpu: bool = True) -> bool:
-    """Collective: whether SharedMemoryHook can serve this group (gloo, CPU, one host)."""
-    # The hook builds a group of its own, which every rank of the default group must join.
+def shared_memory_usable(process_group: Any = None) -> bool:
+    """Collective: whether SharedMemory can serve this group (gloo, one host)."""
+    # The transport builds a group of its own, which every rank of the default group must join.
     whole_world = process_group is None or (
         dist.get_world_size(process_group) == dist.get_world_size()
     )
     gloo = dist.get_backend(process_group) == "gloo"
-    return gloo and on_cpu and whole_world and SharedMemoryHook.available(process_group)
+    return gloo and whole_world and SharedMemory.available(process_group)
 
 
 def _read(path: str) -> str | None:

@@ -1,21 +1,20 @@
 """Direct TCP all-reduce for CPU ranks that cannot share memory (ranks on several hosts).
 
-    hook = SocketHook()                      # collective: every rank connects to its ring
-    hook(bucket, None).wait()                # bucket now holds the SUM over ranks
-    hook.close()                             # ddptrain.shutdown() does it
-    SocketHook.connect()                     # the same, or None on every rank if they cannot
+    tcp = Socket()                           # collective: every rank connects to its ring
+    tcp.reduce(GradBucket(0, bucket, [], [], True))   # bucket now holds the SUM over ranks
+    tcp.close()                              # ddptrain.shutdown() does it
+    Socket.connect()                         # the same, or None on every rank if they cannot
 
 Gloo runs every collective on worker threads of its own; inside a training step, handing a
 small bucket to them and being woken when it is done costs more than sending its bytes (two
-hosts sharing 2 cores, LeNet's 0.25 MB bucket: 1.7-1.8 ms of an 8.8 ms step exposed through
+hosts sharing 2 cores, LeNet's 85 KB bucket: 1.7-1.8 ms of an 8.8 ms step exposed through
 gloo, 0.7-0.8 ms here; docs/benchmarks.md). Here the thread that reduces a bucket sends and
 receives it itself: each rank keeps one TCP connection to the next rank of a ring and one from
 the previous, and the ring schedule (ring.py) sends through one while it receives from the
 other, with non-blocking sockets, so neither direction waits for the other and no bucket is
-too large for the socket buffers. At world size 2 the sums are bitwise the backend's.
-Reductions run in launch order on a worker thread (runner.py), except a backward's last
-bucket, which the thread waiting for it runs. A peer that exits closes its sockets, and the
-waiting rank raises, naming it; one that hangs raises after `timeout_s` without progress.
+too large for the socket buffers. At world size 2 the sums are bitwise the backend's. A peer
+that exits closes its sockets, and the waiting rank raises, naming it; one that hangs raises
+after `timeout_s` without progress (init_distributed's timeout by default).
 """
 
 from __future__ import annotations
@@ -31,10 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain import profiling
 from ddptrain.cpu.ring import ring_reduce, scratch_for
-from ddptrain.ddp.runner import Done, Job, OrderedRunner
-from ddptrain.dist import close_at_shutdown, global_rank
+from ddptrain.ddp import groups
+from ddptrain.ddp.groups import close_at_shutdown, global_rank
+from ddptrain.ddp.hooks import GradBucket, Transport
 
 # The address peers connect to, when set (else see advertised_host).
 HOST_ENV = "DDPTRAIN_SOCKET_HOST"
@@ -47,76 +46,67 @@ _SEND_CHUNK = 1 << 20
 _SIOCGIFADDR = 0x8915
 
 
-class SocketHook:
-    """Comm hook: buckets summed over a ring of TCP connections by the thread that reduces.
+class Socket(Transport):
+    """Buckets summed over a ring of TCP connections by the thread that reduces. CPU only.
 
     Collective to construct (every rank of `process_group`, same order): each rank listens
     on an ephemeral port, learns the others' addresses through the group, and connects to
     the next rank within `connect_timeout_s`; if any rank cannot, every rank raises
-    ConnectionError (`connect()` returns None instead). Buckets off the CPU go to the
-    backend's all_reduce.
+    ConnectionError (`connect()` returns None instead).
     """
 
     def __init__(
         self,
         process_group: Any = None,
-        timeout_s: float = 300.0,
+        timeout_s: float | None = None,
         connect_timeout_s: float = 30.0,
     ) -> None:
         if dist.get_backend(process_group) != "gloo":
-            raise ValueError("SocketHook reduces CPU buckets beside a gloo process group")
+            raise ValueError("the TCP transport reduces CPU buckets beside a gloo process group")
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.timeout_s = timeout_s
+        self.timeout_s = groups.timeout_s() if timeout_s is None else timeout_s
         self._ring = _connect_ring(process_group, connect_timeout_s)
         self._scratch: torch.Tensor | None = None
-        self._runner: OrderedRunner | None = OrderedRunner("ddptrain-tcp")
+        self._closed = False
         close_at_shutdown(self.close)
 
     @classmethod
-    def connect(cls, process_group: Any = None, **kwargs: Any) -> SocketHook | None:
-        """Collective: a SocketHook, or None on every rank where the ranks cannot connect."""
+    def connect(cls, process_group: Any = None, **kwargs: Any) -> Socket | None:
+        """Collective: a Socket transport, or None on every rank where ranks cannot connect."""
         try:
             return cls(process_group, **kwargs)
         except ConnectionError:
             return None
 
-    def __call__(self, bucket: torch.Tensor, group: Any) -> Any:
-        return self._launch(bucket, group, on_wait=False)
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed CPU bucket."""
+        if device.type != "cpu":
+            raise ValueError(
+                f"the TCP transport reduces CPU buckets, not {device}; use "
+                "comm_hook='allreduce' (the backend's all_reduce) for this model"
+            )
+        return torch.zeros(numel, dtype=dtype)
 
-    def call_on_wait(self, bucket: torch.Tensor, group: Any) -> Any:
-        """The same, for a bucket waited on at once (a backward's last): the waiting thread
-        runs it, with no hand-off to the worker thread and back."""
-        return self._launch(bucket, group, on_wait=True)
-
-    def _launch(self, bucket: torch.Tensor, group: Any, on_wait: bool) -> Job | Done | Any:
-        if self._runner is None:
+    def reduce(self, bucket: GradBucket) -> None:
+        """Sum the bucket over the ring of connections, in place."""
+        if self._closed:
             raise RuntimeError(
-                "this SocketHook was closed (ddptrain.shutdown() closes it); build the model's "
-                "wrapper again after init_distributed()"
+                "this TCP transport was closed (ddptrain.shutdown() closes it); build the "
+                "model's wrapper again after init_distributed()"
             )
         if self.world_size == 1:
-            return Done()
-        if bucket.device.type != "cpu" or not bucket.is_contiguous():
-            return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return self._runner.submit(self._reduce, bucket, wake=not on_wait)
-
-    def _reduce(self, bucket: torch.Tensor) -> torch.Tensor:
-        with profiling.mark("ddptrain.tcp_reduce", bucket.numel()):
-            flat = bucket.view(-1)
-            self._scratch = scratch_for(flat, self.world_size, self._scratch)
-            ring_reduce(flat, self.rank, self.world_size, self._scratch, self._exchange)
-        return bucket
+            return
+        flat = bucket.buffer().view(-1)
+        self._scratch = scratch_for(flat, self.world_size, self._scratch)
+        ring_reduce(flat, self.rank, self.world_size, self._scratch, self._exchange)
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         self._ring.exchange(_bytes(send), _bytes(recv), self.timeout_s)
 
     def close(self) -> None:
-        """Stop the worker thread (reductions not yet started are cancelled) and close the
-        connections; ddptrain.shutdown() calls it. The hook reduces nothing afterwards."""
-        if self._runner is not None:
-            self._runner.close()
-            self._runner = None
+        """Close the connections; ddptrain.shutdown() calls it. It reduces nothing afterwards."""
+        self._closed = True
         if self._ring is not None:
             self._ring.close()
 

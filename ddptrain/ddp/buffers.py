@@ -1,9 +1,9 @@
 """The wrapper's buffers: rank 0's, sent before the forward or with the gradients.
 
-    buffers = ModelBuffers(module, comm_hook, group)     # collective construction is the wrapper's
+    buffers = ModelBuffers(module, group)
+    buffers.transport = transport                        # where it has a broadcast of its own
     if buffers and not buffers.follow_gradients():       # a forward that may read them
         buffers.sync(src=0)                              # collective: rank 0's, in place
-    work = buffers.start_sync(0)                         # with the last bucket; work.wait() later
 
 Official DDP broadcasts rank 0's buffers before every forward. A norm layer in training mode
 (BatchNorm, InstanceNorm, SyncBatchNorm: torch's _NormBase) normalizes with the batch's own
@@ -22,16 +22,19 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ddptrain.ddp.replicas import coalesce, start_broadcast_coalesced
+from ddptrain.ddp.hooks import Transport
+from ddptrain.ddp.replicas import broadcast_coalesced, coalesce
 
 
 class ModelBuffers:
     """A module's buffers, and how to make every rank's equal to one rank's."""
 
-    def __init__(self, module: nn.Module, comm_hook: Any, process_group: Any) -> None:
+    def __init__(self, module: nn.Module, process_group: Any) -> None:
         self.tensors = list(module.buffers())
         self._chunks = coalesce(self.tensors)
-        self._comm_hook, self._group = comm_hook, process_group
+        self._group = process_group
+        # A transport with a broadcast of its own (shared memory) saves the backend's round trip.
+        self.transport: Transport | None = None
         owners = [m for m in module.modules() if next(m.buffers(recurse=False), None) is not None]
         self._norm_layers = [m for m in owners if isinstance(m, _NormBase)]
         self._only_norm_statistics = len(self._norm_layers) == len(owners)
@@ -46,14 +49,5 @@ class ModelBuffers:
     @torch.no_grad()
     def sync(self, src: int) -> None:
         """Collective: every rank's buffers become rank `src`'s."""
-        self.start_sync(src).wait()
-
-    @torch.no_grad()
-    def start_sync(self, src: int) -> Any:
-        """Collective, asynchronous: rank `src`'s buffers as they are now, in place by wait()."""
-        # A hook with its own broadcast (shared memory) saves the backend's round trip.
-        by_hook = getattr(self._comm_hook, "start_broadcast", None)
-        work = by_hook(self.tensors, src) if by_hook is not None else None
-        if work is None:
-            work = start_broadcast_coalesced(self._chunks, self._group, src)
-        return work
+        if self.transport is None or not self.transport.broadcast(self.tensors, src):
+            broadcast_coalesced(self._chunks, self._group, src)

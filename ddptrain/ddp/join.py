@@ -1,49 +1,44 @@
-"""Uneven inputs: a rank that runs out of batches keeps answering the others' collectives.
+"""Uneven inputs: the wrapper in torch's Join protocol (torch.distributed.algorithms.join).
 
-    model = ddptrain.DDP(net)
-    with model.join():                            # loaders may differ in length across ranks
-        for x, y in loader:
+    with Join([model, optimizer]):                # torch's context manager, the model first
+        for x, y in loader:                       # loaders may differ in length across ranks
             loss_fn(model(x), y).backward()       # sum over ranks still training / world_size
             optimizer.step()
             optimizer.zero_grad()
     # every rank gets here; parameters (and buffers) are those of the last rank to finish
 
+    with model.join():                            # the shortcut: Join([model], ...)
     with model.join(divide_by_initial_world_size=False):   # divide by the ranks still training
-    with model.join(throw_on_early_termination=True):      # every rank raises EarlyTerminationError
+    with model.join(throw_on_early_termination=True):      # every rank raises when one runs out
 
-How it works (the semantics of torch's `DistributedDataParallel.join`, written for this
-wrapper): while the context is active, every forward starts with one small all_reduce of a
-vector with one entry per rank, nonzero for a rank still training, with flags saying whether
-its backward will reduce gradients. A rank that runs out leaves its loop and, in `__exit__`,
-answers the same all_reduce with zeros, then shadows what the entries say the others do: the
-buffer broadcast, and, when they reduce gradients, every bucket's reduction with zero
-gradients through the wrapper's comm hook (so shared-memory barriers, ring messages and casts
-match) and the one-time bucket rebuild. Under `no_sync()` the others reduce nothing, so
-neither does it. When the vector is all zeros every rank is done; the model is broadcast
-from the highest rank among the last to finish, since ranks that joined early skipped steps.
+How it works (the semantics of torch's DDP join, on the wrapper's public methods): every
+forward inside the context first notifies torch's Join (one all_reduce of ones, which counts
+the ranks still training), then joins one small all_reduce of a vector with one entry per rank,
+nonzero for a rank still training, with flags saying whether its backward will reduce
+gradients. A rank that runs out leaves its loop; torch's Join then calls `main_hook` once per
+iteration of the others: it answers the same all_reduce with zeros, then shadows what the
+entries say the others do: the buffer broadcast, SyncBatchNorm's collectives (any module that
+is a `JoinShadow`), and, when they reduce gradients, one reduction through the wrapper's hook
+with zero gradients (`reduce_gradients`), which leaves the averaged gradients in its `.grad`:
+so a joined ZeroRedundancyOptimizer after the model in Join([...]) steps its shard correctly.
+Under `no_sync()` the others reduce nothing, so neither does it. Once every rank has joined,
+`post_hook` broadcasts the model from the highest rank among the last to join.
 
 Gradient accumulation with a short last round: a rank whose data ends mid-round reaches its
 synchronizing backward while others are still under `no_sync()`. Reducing alone would pair
 collectives wrongly, so a backward reduces only when no rank still training accumulates; the
-rank that asked to reduce early is deferred (`join.deferred` becomes True; skip its optimizer
+rank that asked to reduce early is deferred (`hook.deferred` becomes True; skip its optimizer
 step and stop) and, once joined, contributes its accumulated gradients to the others' next
 reduction instead of zeros.
 """
 
 from __future__ import annotations
 
-from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
-
-from ddptrain.cpu.shm import SharedMemoryHook
-from ddptrain.cpu.tcp import SocketHook
-from ddptrain.ddp.hooks import CastHook, RingHook
-from ddptrain.ddp.replicas import broadcast_coalesced, coalesce
-from ddptrain.ddp.step import StepState
-from ddptrain.nn import sync_batchnorm
+from torch.distributed.algorithms.join import Join, JoinHook
 
 if TYPE_CHECKING:
     from ddptrain.ddp.wrapper import DistributedDataParallel
@@ -56,101 +51,117 @@ _TRAINING = 8  # the module is in training mode: SyncBatchNorm gathers statistic
 _PENDING = 16  # joined, holding gradients deferred from a round the others have not finished
 
 
-class EarlyTerminationError(RuntimeError):
-    """Raised on every rank by `join(throw_on_early_termination=True)` when one runs out."""
+@runtime_checkable
+class JoinShadow(Protocol):
+    """A module with collectives of its own in forward and backward (SyncBatchNorm): what a
+    joined rank runs in their place, with nothing to contribute."""
+
+    def shadow_forward(self) -> None:
+        """Answer one training forward's collectives."""
+
+    def shadow_backward(self) -> None:
+        """Answer one backward's collectives."""
 
 
-class Join:
-    """What `DistributedDataParallel.join()` returns; see the module docstring.
+class WrapperJoinHook(JoinHook):
+    """The wrapper's part in torch's Join; see the module docstring.
 
     Invariants:
     - While active, every rank runs the same sequence of collectives: a rank still training
-      runs them in forward and backward, a joined rank runs the same ones from `__exit__`.
+      runs them in forward and backward, a joined rank runs the same ones from `main_hook`.
     - Each forward inside the context is followed by at most one backward, and by exactly one
       when grad is enabled outside `no_sync()` (a joined rank shadows that backward).
     - Gradients reduced while some ranks have joined are the sum over ranks still training,
-      divided by the initial world size (default) or by the number still training.
-    - After `__exit__` every rank holds the same parameters (and buffers, when the wrapper
-      broadcasts buffers): those of the highest-ranked rank among the last to finish. Optimizer
-      state is not synchronized: a joined rank's optimizer skipped the steps it missed.
+      divided by the initial world size (default) or by the number still training (ddptrain's
+      transports; a torch hook divides by the group size itself, as in torch).
+    - After the context every rank holds the same parameters (and buffers, when the wrapper
+      broadcasts buffers): those of the highest-ranked rank among the last to finish.
+      Optimizer state is not synchronized: a joined rank's optimizer skipped the steps it
+      missed (a ZeroRedundancyOptimizer in the same Join keeps stepping its shard).
     """
 
-    def __init__(
-        self,
-        ddp: DistributedDataParallel,
-        *,
-        divide_by_initial_world_size: bool = True,
-        enable: bool = True,
-        throw_on_early_termination: bool = False,
-    ) -> None:
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
         self.divide_by_initial_world_size = divide_by_initial_world_size
-        self.enable = enable
-        self.throw_on_early_termination = throw_on_early_termination
         self.group = ddp.process_group
-        self.world_size = ddp.world_size
+        self.world_size = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
-        first = next(iter(ddp.module.parameters()), None)
-        self._device = first.device if first is not None else torch.device("cpu")
         # Shadowed in registration order forward, reverse in backward: the order they run in
         # for a network that calls each once, in the order it defines them.
-        self._sync_bns = [
-            m for m in ddp.module.modules() if isinstance(m, sync_batchnorm.SyncBatchNorm)
-        ]
-        # Every rank takes part in every exchange, so all see the same sequence of vectors.
-        self._last_states: list[int] | None = None
+        self._shadows = [m for m in ddp.module.modules() if isinstance(m, JoinShadow)]
         self.authoritative_rank: int | None = None
         # This rank's reduction was put off to the others' next one (module docstring).
         self.deferred = False
         self._sync_before_deferral = True
+        self._pending = False
+        self._closed = False
 
-    def __enter__(self) -> Join:
-        if self.enable:
-            if self.ddp._join is not None:
-                raise RuntimeError("model.join() contexts cannot be nested")
-            _check_sync_bn_groups(self.ddp, self._sync_bns)
-            self.ddp._join = self
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if not self.enable:
-            return
-        self.ddp._join = None
-        if self.deferred:
-            self.ddp._sync = self._sync_before_deferral
-        if exc_type is not None:
-            return
-        self._shadow_until_all_done()
-        self._sync_final_model()
-
-    def on_forward(self) -> tuple[int, int]:
-        """Called by the wrapper as a forward starts: (buffer source rank, gradient divisor)."""
+    def on_forward(self) -> int:
+        """Called by the wrapper as a forward starts inside the context: returns the rank to
+        take buffers from (rank 0 may have joined with stale ones)."""
         ddp = self.ddp
         if self.deferred:
             raise RuntimeError(
-                "a forward after this rank's reduction was deferred under model.join(): it "
-                "ended its gradient accumulation while other ranks were still accumulating "
-                "under no_sync(), which is only allowed for a rank whose data has run out. "
-                "Every rank must synchronize after the same number of micro-batches until "
-                "its data ends"
+                "a forward after this rank's reduction was deferred under join: it ended its "
+                "gradient accumulation while other ranks were still accumulating under "
+                "no_sync(), which is only allowed for a rank whose data has run out. Every "
+                "rank must synchronize after the same number of micro-batches until its data "
+                "ends"
             )
+        Join.notify_join_context(ddp)
         flags = _ACTIVE
         if torch.is_grad_enabled():
-            flags |= _BACKWARD | (_REDUCES_GRADIENTS if ddp._sync else 0)
+            flags |= _BACKWARD | (_REDUCES_GRADIENTS if ddp.require_backward_grad_sync else 0)
         if ddp.module.training:
             flags |= _TRAINING
         states = self._exchange(flags)
-        self._maybe_throw(states)
         if flags & _REDUCES_GRADIENTS and not _reduces(states):
-            self.deferred, self._sync_before_deferral = True, ddp._sync
-            ddp._sync = False
-        # Rank 0 may have joined with stale buffers: take them from a rank still training.
-        return _active(states)[-1], self._divisor(states)
+            self.deferred, self._sync_before_deferral = True, ddp.require_backward_grad_sync
+            self._pending = True
+            ddp.require_backward_grad_sync = False
+        ddp.set_gradient_divisor(self._divisor(states))
+        return _active(states)[-1]
+
+    def main_hook(self) -> None:
+        """One iteration of the ranks still training, shadowed by a rank that has joined."""
+        ddp = self.ddp
+        states = self._exchange(_PENDING if self._pending else 0)
+        active = _active(states)
+        if not active:
+            return
+        if ddp.broadcast_buffers and self.world_size > 1:
+            ddp.sync_buffers(active[-1])
+        if self._shadows and any(s & _TRAINING for s in states):
+            for module in self._shadows:
+                module.shadow_forward()
+            if any(s & _BACKWARD for s in states):
+                for module in reversed(self._shadows):
+                    module.shadow_backward()
+        if not _reduces(states):
+            return
+        if self._pending:
+            self._pending = False  # the deferred round's gradients, in place of zeros
+        else:
+            for p in ddp.parameters():
+                p.grad = None
+        ddp.reduce_gradients(self._divisor(states))
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank has joined: the model of the highest rank among the last to join."""
+        candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self._device())
+        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.group)
+        self.authoritative_rank = int(candidate.item())
+        self.ddp.sync_from(self.authoritative_rank)
+        self.close()
+
+    def close(self) -> None:
+        """Give the wrapper back its own settings (on any exit from the context; once)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.deferred:
+            self.ddp.require_backward_grad_sync = self._sync_before_deferral
+        self.ddp.end_join(self)
 
     def _divisor(self, states: list[int]) -> int:
         """Ranks whose gradients a reduction now sums: still training, or deferred."""
@@ -159,66 +170,13 @@ class Join:
         return sum(1 for s in states if s)
 
     def _exchange(self, flags: int) -> list[int]:
-        states = torch.zeros(self.world_size, dtype=torch.int64, device=self._device)
+        states = torch.zeros(self.world_size, dtype=torch.int64, device=self._device())
         states[self.rank] = flags
         dist.all_reduce(states, group=self.group)
-        result = states.tolist()
-        if _active(result):
-            self._last_states = result
-        return result
+        return states.tolist()
 
-    def _maybe_throw(self, states: list[int]) -> None:
-        if not self.throw_on_early_termination or all(states):
-            return
-        done = [r for r, s in enumerate(states) if not s]
-        raise EarlyTerminationError(
-            f"rank(s) {done} ran out of inputs while others still had batches; "
-            "join(throw_on_early_termination=True) stops every rank at the same step"
-        )
-
-    def _shadow_until_all_done(self) -> None:
-        ddp = self.ddp
-        pending = self.deferred
-        if not pending:
-            # Whatever this rank accumulated under no_sync() is dropped: it adds zeros.
-            ddp._step = StepState(len(ddp._params), ddp._bucket_lens, self.world_size)
-        while True:
-            states = self._exchange(_PENDING if pending else 0)
-            active = _active(states)
-            # No rank still training: nothing more will reduce (a deferred rank's gradients
-            # only wait for a rank that is still accumulating, which always ends reducing).
-            if not active:
-                return
-            self._maybe_throw(states)
-            if ddp.broadcast_buffers and self.world_size > 1 and ddp._model_buffers:
-                ddp._model_buffers.sync(active[-1])
-            if self._sync_bns and any(s & _TRAINING for s in states):
-                for layer in self._sync_bns:
-                    sync_batchnorm.shadow_forward(layer)
-                if any(s & _BACKWARD for s in states):
-                    for layer in reversed(self._sync_bns):
-                        sync_batchnorm.shadow_backward(layer)
-            if not _reduces(states):
-                continue
-            if pending:
-                # The deferred round's accumulated gradients, in place of zeros.
-                ddp._step.divisor = self._divisor(states)
-                ddp._finalize_buckets()
-                pending = False
-            else:
-                _shadow_backward(ddp)
-
-    def _sync_final_model(self) -> None:
-        last = self._last_states
-        # No forward ran anywhere: every rank finished "last", as torch breaks ties (highest).
-        src = self.world_size - 1 if last is None else _active(last)[-1]
-        self.authoritative_rank = src
-        ddp = self.ddp
-        tensors = [p.detach() for _, p in ddp._named_params]
-        if ddp.broadcast_buffers:
-            tensors += ddp._model_buffers.tensors
-        with torch.no_grad():
-            broadcast_coalesced(coalesce(tensors), self.group, src)
+    def _device(self) -> torch.device:
+        return self.ddp.join_device
 
 
 def _active(states: list[int]) -> list[int]:
@@ -234,42 +192,42 @@ def _reduces(states: list[int]) -> bool:
     return asks and not accumulates
 
 
-def _check_sync_bn_groups(ddp: DistributedDataParallel, layers: list) -> None:
-    """Refuse SyncBatchNorm on the group the comm hook reduces buckets on.
+class JoinContext:
+    """What `model.join()` returns: torch's Join([model]), and the wrapper's own settings
+    back on any exit (torch's Join skips its post hooks when the block raised)."""
 
-    There, a rank still training interleaves bucket reductions with SyncBatchNorm's backward
-    reductions in the order autograd happens to produce, which a joined rank cannot know; on
-    separate groups each sequence is matched on its own.
-    """
-    if not layers or not _reduces_on_group(ddp.comm_hook):
-        return
-    world = dist.group.WORLD
-    mine = ddp.process_group or world
-    if any((layer.process_group or world) == mine for layer in layers):
-        raise ValueError(
-            "model.join() with SyncBatchNorm on the process group the comm hook reduces on "
-            "would pair their collectives wrongly; give SyncBatchNorm its own group: "
-            "convert_sync_batchnorm(model, process_group=torch.distributed.new_group())"
+    def __init__(
+        self,
+        ddp: DistributedDataParallel,
+        divide_by_initial_world_size: bool,
+        enable: bool,
+        throw_on_early_termination: bool,
+    ) -> None:
+        self._join = Join(
+            [ddp],
+            enable=enable,
+            throw_on_early_termination=throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
         )
+        # The wrapper's join hook: `deferred`, `authoritative_rank`.
+        self.hook: WrapperJoinHook = ddp.join_hook_in_use
 
+    @property
+    def deferred(self) -> bool:
+        """Whether this rank's last reduction was put off to the others' next (module doc)."""
+        return self.hook.deferred
 
-def _reduces_on_group(hook: object) -> bool:
-    """Whether a hook reduces buckets with collectives on the wrapper's process group."""
-    if isinstance(hook, (SharedMemoryHook, RingHook, SocketHook)):
-        return False  # shared-memory barriers, a group of its own, or sockets
-    if isinstance(hook, CastHook):
-        return hook.inner is None or _reduces_on_group(hook.inner)
-    return True
+    @property
+    def authoritative_rank(self) -> int | None:
+        """The rank whose model every rank holds after the context."""
+        return self.hook.authoritative_rank
 
+    def __enter__(self) -> JoinContext:
+        self._join.__enter__()
+        return self
 
-def _shadow_backward(ddp: DistributedDataParallel) -> None:
-    """Run one synchronized backward's collectives with zero gradients and no parameter used."""
-    with torch.no_grad():
-        for bucket in ddp._buckets:
-            bucket.zero_()
-        # Launched in bucket order, as every rank still training launches them.
-        works = [ddp.comm_hook(bucket, ddp.process_group) for bucket in ddp._buckets]
-        for work in works:
-            work.wait()
-    if ddp._ready_order is not None:
-        ddp._rebuild_in_ready_order()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._join.__exit__(exc_type, exc, tb)
+        finally:
+            self.hook.close()

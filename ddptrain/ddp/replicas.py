@@ -4,10 +4,8 @@
     chunks = coalesce([p.detach() for p in m.parameters()] + list(m.buffers()))
     broadcast_coalesced(chunks, group)           # every rank now holds rank 0's values
 
-    work = start_broadcast_coalesced(chunks, group)   # the same, finished by work.wait()
-
 The wrapper calls these at construction, and on its buffer chunks at every step when
-broadcast_buffers=True (parallel/ddp.py says when). Comparing shapes first turns a mismatched
+broadcast_buffers=True (ddp/buffers.py says when). Comparing shapes first turns a mismatched
 model into the same clear error on every rank, where a broadcast of different sizes would hang
 or corrupt.
 """
@@ -20,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ddptrain.dist import global_rank
+from ddptrain.ddp.groups import global_rank
 
 # Broadcasts at construction and of buffers are coalesced in pieces of this size, as the
 # official wrapper does, so a huge model does not need a second full copy in one flat tensor.
@@ -83,39 +81,15 @@ def coalesce(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def broadcast_coalesced(chunks: list[list[torch.Tensor]], group: Any, src: int = 0) -> None:
-    """Broadcast each chunk of tensors in place from `src` as one flat tensor."""
-    start_broadcast_coalesced(chunks, group, src).wait()
-
-
-def start_broadcast_coalesced(
-    chunks: list[list[torch.Tensor]], group: Any, src: int = 0
-) -> _CoalescedBroadcast:
-    """Launch broadcast_coalesced asynchronously; `wait()` copies the values in place.
-
-    `src`'s values are taken (flattened) now, so it may change its tensors before `wait()`.
-    """
+    """Broadcast each chunk of tensors in place from `src` (a rank of `group`) as one flat
+    tensor."""
     if dist.get_world_size(group) == 1:
-        return _CoalescedBroadcast([], False)
-    is_src = dist.get_rank(group) == src
+        return
+    receive = dist.get_rank(group) != src
     global_src = global_rank(group, src)
-    launched = []
     for chunk in chunks:
         flat = _flatten_dense_tensors(chunk)
-        work = dist.broadcast(flat, src=global_src, group=group, async_op=True)
-        launched.append((chunk, flat, work))
-    return _CoalescedBroadcast(launched, not is_src)
-
-
-class _CoalescedBroadcast:
-    """Waits for each chunk's broadcast and, on receiving ranks, unflattens it in place."""
-
-    def __init__(self, launched: list[tuple], receive: bool) -> None:
-        self._launched, self._receive = launched, receive
-
-    def wait(self) -> None:
-        for chunk, flat, work in self._launched:
-            work.wait()
-            if self._receive:
-                for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
-                    t.copy_(synced)
-        self._launched = []
+        dist.broadcast(flat, src=global_src, group=group)
+        if receive:
+            for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
+                t.copy_(synced)

@@ -7,9 +7,8 @@
     now.wait()                                 # it runs here, with no thread wake-up
     runner.close()                             # jobs not started yet are cancelled
 
-The shared-memory and TCP transports (shm.py, tcp.py) run their bucket reductions through
-one, so that a bucket filled early is summed while backward goes on, and every rank's
-reductions run in the same order.
+The DDP wrapper runs its comm hooks through one, so that a bucket filled early is reduced while
+backward goes on, and every rank's reductions run one at a time in the same order.
 """
 
 from __future__ import annotations
@@ -18,13 +17,6 @@ import collections
 import threading
 from collections.abc import Callable
 from typing import Any
-
-
-class Done:
-    """A Waitable for work that already finished (what a hook returns with nothing to send)."""
-
-    def wait(self) -> None:
-        return None
 
 
 class Job:
@@ -66,7 +58,9 @@ class OrderedRunner:
         job = Job(self, fn, args, on_wait=not wake)
         with self._work_ready:
             if self._closed:
-                raise RuntimeError("the runner is closed")
+                raise RuntimeError(
+                    "closed: an earlier reduction failed (see its error), or shutdown() ran"
+                )
             self._queue.append(job)
             if wake:
                 self._work_ready.notify()
@@ -96,7 +90,8 @@ class OrderedRunner:
                 job.done = True
             self._job_done.notify_all()
             self._work_ready.notify()
-        self._thread.join(timeout_s)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
 
     def _worker_may_start(self) -> bool:
         head = self._queue[0] if self._queue else None

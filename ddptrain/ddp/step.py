@@ -13,22 +13,22 @@ class StepState:
 
     __slots__ = (
         "armed",
-        "buffer_work",
         "callback_queued",
         "claimed",
         "divisor",
+        "jobs",
         "next_bucket",
         "no_sync_forward",
         "pending",
         "ready",
         "sync_buffers",
         "used",
-        "works",
     )
 
     def __init__(self, n_params: int, bucket_lens: list[int], divisor: int) -> None:
         self.armed = False
-        # Gradients are scaled by 1/divisor: world_size, or under join() the ranks still training.
+        # A transport's gradients are scaled by 1/divisor: world_size, or under join the ranks
+        # still training (1 for a torch hook, which divides by itself).
         self.divisor = divisor
         self.callback_queued = False
         self.next_bucket = 0
@@ -40,10 +40,10 @@ class StepState:
         self.claimed = [False] * n_params
         # "Used here" since the last synchronized backward, no_sync passes included.
         self.used = [False] * n_params
-        self.works: list[Any] = [None] * len(bucket_lens)
+        # Per bucket, its reduction as submitted to the wrapper's runner.
+        self.jobs: list[Any] = [None] * len(bucket_lens)
         # A forward asked for rank 0's buffers with the last bucket (norm statistics only).
         self.sync_buffers = False
-        self.buffer_work: Any = None
 
     def check_arrival(self, index: int, name: str, grad: Any) -> None:
         """Raise, naming parameter `name`, where its gradient arriving now (synchronized) would

@@ -10,7 +10,7 @@ mean and variance are those of the concatenated global batch. Backward all_reduc
 per-channel gradient sums the input gradient needs. Eval mode uses the running statistics and
 communicates nothing. World size 1 (or no process group) runs the same code.
 
-Collective sequence (what a rank that has run out of data must answer, see `shadow_forward`):
+Collective sequence (what a rank that has run out of data must answer: `shadow_forward`):
 - forward, training mode, first call of each module instance only: one all_gather of a
   1-element int64 tensor [num_features] (packs of different sizes would abort gloo, so a
   mismatch is caught here with a clear error instead).
@@ -20,9 +20,8 @@ Collective sequence (what a rank that has run out of data must answer, see `shad
   sum) of a float64 tensor of 2*num_features values [sum(dy), sum(dy * (x - mean))].
 All go to the module's `process_group` (None: the default group). Several SyncBatchNorm layers
 gather in forward order and reduce in autograd's backward order (reverse of forward for a
-chain). On that same group, DDP's bucket all_reduces (non-default hooks) interleave with the
-backward reductions; a separate group (`convert_sync_batchnorm(m, dist.new_group())`) keeps
-the two sequences independent.
+chain). The DDP wrapper's transports reduce buckets on channels of their own; a comm hook
+registered on this same group is refused, since its reductions would interleave with these.
 """
 
 from __future__ import annotations
@@ -116,6 +115,21 @@ class SyncBatchNorm(_BatchNorm):
         self._update_running_stats(mean, m2, total)
         return mean, m2 / total, total
 
+    def shadow_forward(self) -> None:
+        """Answer one training forward's collectives with a zero contribution (count 0).
+
+        For a rank that has no batch while the others train (join: ddp/join.py's JoinShadow):
+        the running statistics are updated from the others' batch, so they stay equal on every
+        rank.
+        """
+        with torch.no_grad():
+            self._global_stats(torch.empty(0, self.num_features, device=_device(self)))
+
+    def shadow_backward(self) -> None:
+        """Answer one backward's all_reduce with zero gradient sums."""
+        zeros = torch.zeros(2 * self.num_features, dtype=torch.float64, device=_device(self))
+        _all_reduce_grads(zeros, self.process_group)
+
     def _update_running_stats(self, mean: torch.Tensor, m2: torch.Tensor, total: int) -> None:
         if not self.track_running_stats or self.running_mean is None:
             return
@@ -191,22 +205,6 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
     for name, child in module.named_children():
         out.add_module(name, convert_sync_batchnorm(child, process_group))
     return out
-
-
-def shadow_forward(module: SyncBatchNorm, device: torch.device | str | None = None) -> None:
-    """Answer one training forward's collectives with a zero contribution (count 0).
-
-    For a rank that has no batch while the others train (join): the running statistics are
-    updated from the others' batch, so they stay equal on every rank.
-    """
-    with torch.no_grad():
-        module._global_stats(torch.empty(0, module.num_features, device=_device(module, device)))
-
-
-def shadow_backward(module: SyncBatchNorm, device: torch.device | str | None = None) -> None:
-    """Answer one backward's all_reduce with zero gradient sums."""
-    zeros = torch.zeros(2 * module.num_features, dtype=torch.float64)
-    _all_reduce_grads(zeros.to(_device(module, device)), module.process_group)
 
 
 def _local_stats(x: torch.Tensor, num_features: int) -> torch.Tensor:
@@ -293,9 +291,7 @@ def _memory_format(x: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _device(module: nn.Module, device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
+def _device(module: nn.Module) -> torch.device:
     for t in (*module.parameters(), *module.buffers()):
         return t.device
     return torch.device("cpu")

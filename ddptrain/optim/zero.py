@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ddptrain.ddp.groups import resolve
 from ddptrain.optim.broadcast import broadcast_calls, plan_broadcasts
 
 # Cuts fall on multiples of 64 elements inside a parameter, so a shard's vectorised loops see
@@ -59,7 +61,7 @@ def shard_ranges(numels: Sequence[int], world_size: int, align: int = ALIGN) -> 
     return pieces
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
     """Wraps `optimizer_class` so each rank builds it over its shard of the parameters only.
 
     Invariants:
@@ -79,6 +81,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         process_group: Any = None,
         **defaults: Any,
     ) -> None:
+        Joinable.__init__(self)
         self._ready = False
         self.optimizer_class = optimizer_class
         self.process_group = process_group
@@ -186,6 +189,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Step this rank's shard, then share the updated parameters (collective)."""
+        Join.notify_join_context(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -205,6 +209,22 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             # An LR scheduler built on the original optimizer checks it was stepped first.
             self._stands_for._opt_called = True
         return loss
+
+    # ------------------------------------------------------------------------ join
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """torch's Joinable: a joined rank keeps stepping its shard (see _ZeroJoinHook)."""
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """torch's Joinable: where the join's own collectives run."""
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        return first.device if first is not None else torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        """torch's Joinable: the group the join's own collectives run on."""
+        return resolve(self.process_group)
 
     # ------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -369,3 +389,21 @@ def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
         if step is None or float(step) > 0:
             return True
     return False
+
+
+class _ZeroJoinHook(JoinHook):
+    """A joined rank's part in the others' optimizer steps: its shard must still be updated
+    and shared. It steps whenever its parameters hold gradients, which the DDP wrapper's join
+    hook, listed before this optimizer in Join([model, optimizer]), leaves there (the mean
+    over the ranks still training) after each of their synchronized backwards; then it clears
+    them, as zero_grad would. Clipping or skipping that the others do before their step is
+    not replayed here."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        params = [p for g in self.zero.param_groups for p in g["params"]]
+        if any(p.grad is not None for p in params):
+            self.zero.step()
+            self.zero.zero_grad(set_to_none=True)

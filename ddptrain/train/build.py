@@ -13,7 +13,6 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -55,12 +54,8 @@ def check_datasets(
 def wrap_model(cfg: TrainerConfig, module: nn.Module) -> DistributedDataParallel:
     """The wrapper the config asks for (SyncBatchNorm converted first)."""
     if cfg.sync_batchnorm:
-        # Its own group: under join (uneven data) its reductions must not interleave with
-        # the comm hook's on the wrapper's group in an order a joined rank cannot know.
-        module = convert_sync_batchnorm(module, dist.new_group())
-    return DistributedDataParallel(
-        module, bucket_cap_mb=cfg.bucket_cap_mb, comm_hook=cfg.resolve_comm_hook()
-    )
+        module = convert_sync_batchnorm(module)
+    return DistributedDataParallel(module, bucket_cap_mb=cfg.bucket_cap_mb, comm_hook=cfg.comm_hook)
 
 
 def sampler(cfg: TrainerConfig, num_samples: int) -> ShardedSampler:

@@ -12,16 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ddptrain.ddp.hooks import HOOK_NAMES, make_hook
+from ddptrain.ddp.hooks import NAMES
 from ddptrain.train.log import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
 
 # Settings that define the sample order and step size: a resumed run must keep them.
 RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # "default" is the wrapper's own choice (shared memory for CPU ranks on one host, its own TCP
-# ring for CPU ranks across hosts, else the backend's all_reduce); the rest are
-# ddptrain.ddp.hooks's hook names.
-COMM_HOOKS = ("default", *HOOK_NAMES)
+# ring for CPU ranks across hosts, else the backend's all_reduce); the rest are the transports
+# named in ddptrain.ddp.hooks.NAMES.
+COMM_HOOKS = ("default", *NAMES)
 NONFINITE_POLICIES = ("stop", "skip")
 # 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks.
 ZERO_STAGES = (0, 1)
@@ -201,12 +201,6 @@ class TrainerConfig:
                     f"this run has {name}={getattr(self, name)!r}; set {name}={saved[name]!r} to "
                     "resume, or start a fresh run in another checkpoint_dir"
                 )
-
-    def resolve_comm_hook(self):
-        """The wrapper's communication hook for `comm_hook` (None: the wrapper's default)."""
-        if self.comm_hook == "default":
-            return None
-        return make_hook(self.comm_hook)
 
 
 def _cuda() -> bool:

@@ -1,4 +1,4 @@
-"""The shared-memory transport (parallel/shm.py): sums against the backend, the default on one
+"""The shared-memory transport (cpu/shm.py): sums against the backend, the default on one
 host, and the barrier's answers to a dead or silent peer.
 
 One spawned world per world size runs every multi-process case of this module
@@ -15,47 +15,46 @@ import time
 import pytest
 import torch
 
-from ddptrain.cpu.shm import _COUNTER_STRIDE, SHM_DIR, SharedMemoryHook, _SharedBarrier
-from ddptrain.ddp.hooks import allreduce_hook
+from ddptrain.cpu.shm import _COUNTER_STRIDE, SHM_DIR, SharedMemory, _SharedBarrier
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import worlds
-from support.sums import ATOL, NUMELS, RTOL, backend_sum, needs_shm
+from support.sums import ATOL, NUMELS, RTOL, backend_sum, needs_shm, reduce_with
 
 WORLD_TIMEOUT_S = 300
 pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
 
 
 def _case_shm_vs_backend(info) -> dict:
-    hook = SharedMemoryHook(min_bytes=0)  # share even the tiny test buckets
-    out: dict = {"float": [], "repeat": [], "prefix": hook._prefix}
+    shm = SharedMemory(min_bytes=0)  # share even the tiny test buckets
+    out: dict = {"float": [], "repeat": [], "prefix": shm._prefix}
     for numel in NUMELS:
         g = torch.Generator().manual_seed(numel * 7 + info.rank)
         x = torch.randn(numel, generator=g)
-        bucket = hook.allocate(numel, torch.float32, torch.device("cpu"))
+        bucket = shm.allocate(numel, torch.float32, torch.device("cpu"))
         bucket.copy_(x)
-        hook(bucket, None).wait()
+        reduce_with(shm, bucket)
         out["float"].append((numel, bucket.clone(), backend_sum(x)))
         # A second reduction on the same shared bucket: rows are overwritten, never mixed.
         bucket.fill_(info.rank + 1.0)
-        hook(bucket, None).wait()
+        reduce_with(shm, bucket)
         out["repeat"].append(bucket.clone())
     # A bucket's file is let go with the bucket: only the last one is still mapped.
-    out["mapped"] = [len(hook._shared)]
+    out["mapped"] = [len(shm._shared)]
     del bucket
-    out["mapped"].append(len(hook._shared))
+    out["mapped"].append(len(shm._shared))
     plain = torch.full((3,), float(info.rank))
-    hook(plain, None).wait()  # not allocated by the hook: backend all_reduce
+    reduce_with(shm, plain)  # not allocated by the transport: backend all_reduce
     out["plain"] = plain.tolist()
-    default = SharedMemoryHook(min_bytes=64 * 1024)
+    default = SharedMemory(min_bytes=64 * 1024)
     small = default.allocate(1000, torch.float32, torch.device("cpu"))
     large = default.allocate(64 * 1024 // 4, torch.float32, torch.device("cpu"))
     small.fill_(1.0)
     large.fill_(1.0)
-    default(small, None).wait()
-    default(large, None).wait()
+    reduce_with(default, small)
+    reduce_with(default, large)
     out["default_shared"] = [len(default._shared), small.sum().item(), large[:3].tolist()]
-    out["available"] = SharedMemoryHook.available()
-    hook.close()
+    out["available"] = SharedMemory.available()
+    shm.close()
     return out
 
 
@@ -85,19 +84,15 @@ def test_shared_memory_all_reduce_equals_backend(world, world_size):
 
 def _case_default_hooks(info) -> tuple[str, str]:
     default = DistributedDataParallel(torch.nn.Linear(2, 2))
-    forced = DistributedDataParallel(torch.nn.Linear(2, 2), comm_hook=allreduce_hook)
-    return _hook_name(default.comm_hook), _hook_name(forced.comm_hook)
-
-
-def _hook_name(hook) -> str:
-    return getattr(hook, "__name__", type(hook).__name__)
+    forced = DistributedDataParallel(torch.nn.Linear(2, 2), comm_hook="allreduce")
+    return type(default.comm_hook[0]).__name__, type(forced.comm_hook[0]).__name__
 
 
 @needs_shm
 def test_default_hook_is_shared_memory_on_one_host_and_nothing_alone(world):
     """Ranks on one CPU host get shared-memory buckets by default; one process sends nothing."""
-    assert worlds.outcome(world(2), "default_hooks") == [("SharedMemoryHook", "allreduce_hook")] * 2
-    assert worlds.outcome(world(1), "default_hooks") == [("local_hook", "allreduce_hook")]
+    assert worlds.outcome(world(2), "default_hooks") == [("SharedMemory", "AllReduce")] * 2
+    assert worlds.outcome(world(1), "default_hooks") == [("Local", "AllReduce")]
 
 
 def test_shared_barrier_names_a_peer_that_died_and_times_out_on_a_silent_one():
@@ -128,11 +123,6 @@ CASES_BY_WORLD = {
 }
 
 
-def _run_cases(names: list[str]) -> dict:
-    return worlds.run_cases_in_shared_memory(CASES, names)
-
-
-@pytest.fixture(scope="module")
-def world():
-    """world(ws): every case of CASES_BY_WORLD[ws] from one spawned world, spawned once."""
-    return worlds.spawner(_run_cases, CASES_BY_WORLD, WORLD_TIMEOUT_S)
+world = worlds.fixture(
+    CASES, CASES_BY_WORLD, timeout_s=WORLD_TIMEOUT_S, setup=worlds.share_small_buckets
+)

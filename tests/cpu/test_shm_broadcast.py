@@ -1,4 +1,4 @@
-"""SharedMemoryHook.broadcast: the wrapper's per-forward buffer sync through shared memory.
+"""SharedMemory.broadcast: the wrapper's per-forward buffer sync through shared memory.
 
 One spawned world of 3 runs the cases (ddptrain.spawn); the tests read their results.
 """
@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
-from ddptrain.cpu.shm import SHM_DIR, SharedMemoryHook
-from ddptrain.ddp.hooks import CastHook
+from ddptrain.cpu.shm import SHM_DIR, SharedMemory
+from ddptrain.ddp.hooks import AllReduce, Cast
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import worlds
 from support.sums import needs_shm
@@ -32,7 +31,7 @@ def _tensors(rank: int, call: int) -> list[torch.Tensor]:
 
 
 def _case_broadcast(info) -> dict:
-    hook = SharedMemoryHook()
+    hook = SharedMemory()
     seen = []
     for call in range(CALLS):
         tensors = _tensors(info.rank, call)
@@ -50,8 +49,8 @@ def _case_broadcast(info) -> dict:
     moved = (hook.broadcast(kept, 1), kept[0].clone())
     strided = torch.zeros(4, 4).t()
     refused = hook.broadcast([strided], 0)
-    # A bf16 hook over shared memory passes buffers through untouched (not cast to bf16).
-    cast = CastHook(torch.bfloat16, hook)
+    # bf16 over shared memory passes buffers through untouched (not cast to bf16).
+    cast = Cast(torch.bfloat16, hook)
     precise = torch.full((3,), 1.0 + 2.0**-20 + info.rank)
     by_cast = cast.broadcast([precise], 0)
     hook.close()
@@ -61,7 +60,7 @@ def _case_broadcast(info) -> dict:
         "moved": moved,
         "refused_non_contiguous": refused,
         "cast": (by_cast, precise),
-        "cast_to_backend": CastHook(torch.bfloat16).broadcast([precise], 0),
+        "cast_to_backend": Cast(torch.bfloat16, AllReduce()).broadcast([precise], 0),
         "prefix": hook._prefix,
     }
 
@@ -82,20 +81,15 @@ def _case_buffers_in_the_wrapper(info) -> list[torch.Tensor]:
 CASES = {"broadcast": _case_broadcast, "buffers": _case_buffers_in_the_wrapper}
 
 
-def _run_cases(names: list[str]) -> dict:
-    return worlds.run_cases_in_shared_memory(CASES, names)
-
-
-@pytest.fixture(scope="module")
-def world():
-    """Both cases from one spawned world of 3."""
-    return worlds.spawner(_run_cases, {WORLD_SIZE: list(CASES)}, 240)(WORLD_SIZE)
+world = worlds.fixture(
+    CASES, {WORLD_SIZE: list(CASES)}, timeout_s=240, setup=worlds.share_small_buckets
+)
 
 
 @needs_shm
 def test_broadcast_copies_the_source_rank_tensors_on_every_call(world):
     """Each call leaves src's values on all ranks: new tensors, reused ones, moved memory."""
-    results = worlds.outcome(world, "broadcast")
+    results = worlds.outcome(world(WORLD_SIZE), "broadcast")
     for rank, r in enumerate(results):
         assert len(r["seen"]) == CALLS
         for call, (handled, src, got) in enumerate(r["seen"]):
@@ -118,7 +112,7 @@ def test_broadcast_copies_the_source_rank_tensors_on_every_call(world):
 @needs_shm
 def test_wrapper_buffers_equal_rank_0s_after_an_eval_forward(world):
     """The wrapper's forward brings rank 0's BatchNorm buffers to every rank (shared memory)."""
-    results = worlds.outcome(world, "buffers")
+    results = worlds.outcome(world(WORLD_SIZE), "buffers")
     for rank, buffers in enumerate(results[1:], start=1):
         for got, expected in zip(buffers, results[0], strict=True):
             assert torch.equal(got, expected), rank

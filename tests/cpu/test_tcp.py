@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddptrain.cpu import shm, tcp
-from ddptrain.cpu.tcp import SocketHook
-from ddptrain.ddp.hooks import CastHook, default_transport
+from ddptrain.cpu.tcp import Socket
+from ddptrain.ddp.hooks import Cast, default_transport
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import toy_models, worlds
-from support.sums import ATOL, NUMELS, RTOL, backend_sum
+from support.sums import ATOL, NUMELS, RTOL, backend_sum, reduce_with
 
 WORLD_TIMEOUT_S = 300
 pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
@@ -38,12 +38,12 @@ UNREACHABLE = "192.0.2.1"
 
 
 def _case_vs_backend(info) -> list:
-    hook = SocketHook()
+    hook = Socket()
     out = []
     for numel in SIZES:
         x = torch.randn(numel, generator=torch.Generator().manual_seed(numel + info.rank))
         bucket = x.clone()
-        hook(bucket, None).wait()
+        reduce_with(hook, bucket)
         expected = backend_sum(x)
         # Every rank must end with the same bits: compare with rank 0's result.
         first = bucket.clone()
@@ -74,10 +74,10 @@ def _case_high_descriptors(info) -> tuple[bool, int] | None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
     filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(HIGH_FD)]
     try:
-        hook = SocketHook()
+        hook = Socket()
         x = torch.randn(4 * 2**20, generator=torch.Generator().manual_seed(info.rank))
         bucket = x.clone()
-        hook(bucket, None).wait()
+        reduce_with(hook, bucket)
         lowest = min(hook._ring._left.fileno(), hook._ring._right.fileno())
         hook.close()
         return torch.equal(bucket, backend_sum(x)), lowest
@@ -98,17 +98,17 @@ def test_sockets_numbered_above_1023_still_work(world):
 
 
 def _case_bf16_inside_cast_hook(info) -> tuple[bool, bool]:
-    hook = CastHook(torch.bfloat16, SocketHook())
+    hook = Cast(torch.bfloat16, Socket())
     x = torch.randn(3000, generator=torch.Generator().manual_seed(info.rank))
     bucket = x.clone()
-    hook(bucket, None).wait()
+    reduce_with(hook, bucket)
     expected = backend_sum(x.bfloat16()).float()
     hook.inner.close()
     return torch.equal(bucket, expected), bucket.dtype == torch.float32
 
 
-def test_carries_bf16_buckets_for_the_cast_hook(world):
-    """Inside CastHook the sockets carry bf16 bytes: the sum equals gloo's bf16 all_reduce."""
+def test_carries_bf16_buckets_inside_a_cast(world):
+    """Inside Cast the sockets carry bf16 bytes: the sum equals gloo's bf16 all_reduce."""
     assert worlds.outcome(world(2), "bf16") == [(True, True)] * 2
 
 
@@ -132,20 +132,22 @@ def _case_default_across_hosts(info) -> dict:
             torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters(), strict=True)
         )
         transport = default_transport()
-        ours.comm_hook.close()
+        used = ours.comm_hook[0]
+        used.close()
         transport.close()
         name = type(transport).__name__
-        return {"hook": type(ours.comm_hook).__name__, "equal": equal, "default": name}
+        return {"hook": type(used).__name__, "equal": equal, "default": name}
     finally:
         shm.SHM_DIR = "/dev/shm"
 
 
 def test_default_without_shared_memory_is_tcp_and_trains_like_official_ddp(world):
-    """Ranks that share no memory get the TCP hook by default, which trains bitwise as torch DDP."""
+    """Ranks that share no memory get the TCP transport by default, which trains bitwise as torch
+    DDP."""
     for r in worlds.outcome(world(2), "default_across_hosts"):
-        assert r["hook"] == "SocketHook"
+        assert r["hook"] == "Socket"
         assert r["equal"]
-        assert r["default"] == "SocketHook"
+        assert r["default"] == "Socket"
 
 
 def _connect_advertising(info, address: str, hide_stack: bool) -> dict:
@@ -157,7 +159,7 @@ def _connect_advertising(info, address: str, hide_stack: bool) -> dict:
             tcp._network_stack = lambda: None
     try:
         started = time.monotonic()
-        hook = SocketHook.connect(connect_timeout_s=1.0)
+        hook = Socket.connect(connect_timeout_s=1.0)
         waited = time.monotonic() - started
     finally:
         tcp.os.environ.pop(tcp.HOST_ENV, None)
@@ -165,7 +167,7 @@ def _connect_advertising(info, address: str, hide_stack: bool) -> dict:
     connected = hook is not None
     if connected:
         ones = torch.ones(5)
-        hook(ones, None).wait()
+        reduce_with(hook, ones)
         hook.close()
     else:
         ones = torch.ones(5)
@@ -197,10 +199,10 @@ def _case_cannot_listen(info) -> list:
     if info.rank == 1:
         tcp.socket.create_server = refuse
     try:
-        hook = SocketHook.connect(connect_timeout_s=5.0)
+        hook = Socket.connect(connect_timeout_s=5.0)
     finally:
         tcp.socket.create_server = real
-    retry = SocketHook.connect()
+    retry = Socket.connect()
     if retry is not None:
         retry.close()
     return [hook is None, retry is not None]
@@ -212,7 +214,7 @@ def test_a_rank_that_cannot_listen_makes_every_rank_fall_back(world):
 
 
 def _case_peer_closed(info) -> str:
-    hook = SocketHook()
+    hook = Socket()
     dist.barrier()
     if info.rank == 1:
         hook.close()
@@ -220,7 +222,7 @@ def _case_peer_closed(info) -> str:
         return "closed"
     dist.barrier()
     try:
-        hook(torch.ones(100_000), None).wait()
+        reduce_with(hook, torch.ones(100_000))
     except RuntimeError as e:
         return str(e)
     finally:
@@ -236,11 +238,11 @@ def test_a_peer_that_closes_its_connections_is_named_not_waited_for(world):
 
 
 def _case_stalled_peer(info) -> str:
-    hook = SocketHook(timeout_s=0.5)
+    hook = Socket(timeout_s=0.5)
     result = "no error"
     if info.rank == 0:
         try:
-            hook(torch.ones(10), None).wait()
+            reduce_with(hook, torch.ones(10))
         except RuntimeError as e:
             result = str(e)
     dist.barrier()  # rank 1 never reduces: it waits here until rank 0 gave up
@@ -255,17 +257,17 @@ def test_a_peer_that_never_sends_times_out_with_a_message(world):
 
 
 def _case_closed_hook(info) -> str:
-    hook = SocketHook()
+    hook = Socket()
     hook.close()
     try:
-        hook(torch.ones(3), None)
+        reduce_with(hook, torch.ones(3))
     except RuntimeError as e:
         return str(e)
     return "no error"
 
 
-def test_a_closed_hook_refuses_work(world):
-    """After close() (shutdown), using the hook raises instead of reducing on closed sockets."""
+def test_a_closed_transport_refuses_work(world):
+    """After close() (shutdown), using it raises instead of reducing on closed sockets."""
     assert all("closed" in m for m in worlds.outcome(world(2), "closed_hook"))
 
 
@@ -298,12 +300,4 @@ CASES = {
 CASES_BY_WORLD = {2: list(CASES), 3: ["vs_backend"]}
 
 
-def _run_cases(names: list[str]) -> dict:
-    torch.set_num_threads(1)
-    return worlds.run_cases(CASES, names)
-
-
-@pytest.fixture(scope="module")
-def world():
-    """world(ws): every case of CASES_BY_WORLD[ws] from one spawned world, spawned once."""
-    return worlds.spawner(_run_cases, CASES_BY_WORLD, WORLD_TIMEOUT_S)
+world = worlds.fixture(CASES, CASES_BY_WORLD, timeout_s=WORLD_TIMEOUT_S)

@@ -2,7 +2,7 @@
 mode) or before the forward (anything a forward may read), and what every rank holds after.
 
 One spawned world of 2 ranks runs every case (worlds.run_cases). Each case records, through a
-comm hook, the order in which buckets and buffer broadcasts start relative to the forward and
+transport, the order in which buckets and buffer broadcasts start relative to the forward and
 the backward.
 """
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.ddp.buffers import ModelBuffers
+from ddptrain.ddp.hooks import GradBucket, Transport
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import worlds
 
@@ -24,19 +25,19 @@ pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
 WORLD_SIZE = 2
 
 
-class _Recorder:
+class _Recorder(Transport):
     """The backend's all_reduce; notes each bucket and each buffer broadcast it is asked for."""
 
     def __init__(self) -> None:
         self.events: list[str] = []
 
-    def __call__(self, bucket: torch.Tensor, group):
+    def reduce(self, bucket: GradBucket) -> None:
         self.events.append("bucket")
-        return dist.all_reduce(bucket, group=group, async_op=True)
+        dist.all_reduce(bucket.buffer())
 
-    def start_broadcast(self, tensors, src):
+    def broadcast(self, tensors, src) -> bool:
         self.events.append(f"buffers from {src}")
-        return None  # the wrapper then broadcasts through the backend itself
+        return False  # the wrapper then broadcasts through the backend itself
 
 
 class _Scaled(nn.Module):
@@ -122,14 +123,7 @@ def _case_read_buffer(info) -> dict:
 CASES = {"norm_statistics": _case_norm_statistics, "read_buffer": _case_read_buffer}
 
 
-def _run_cases(names: list[str]) -> dict:
-    return worlds.run_cases(CASES, names)
-
-
-@pytest.fixture(scope="module")
-def world():
-    """Every case from one spawned world of 2."""
-    return worlds.spawner(_run_cases, {WORLD_SIZE: list(CASES)}, WORLD_TIMEOUT_S)(WORLD_SIZE)
+world = worlds.fixture(CASES, {WORLD_SIZE: list(CASES)}, timeout_s=WORLD_TIMEOUT_S)
 
 
 AFTER_BACKWARD = ["forward", "backward", "bucket", "buffers from 0"]
@@ -138,14 +132,14 @@ BEFORE_FORWARD = ["forward", "buffers from 0", "backward", "bucket"]
 
 def test_norm_statistics_in_training_travel_with_the_last_bucket(world):
     """BatchNorm statistics in training start after the last bucket; ranks end on rank 0's."""
-    for r in worlds.outcome(world, "norm_statistics"):
+    for r in worlds.outcome(world(WORLD_SIZE), "norm_statistics"):
         assert r["train"] == [AFTER_BACKWARD] * 3
         assert r["train_as_rank0"]
 
 
 def test_no_sync_sends_no_buffers_and_the_next_synchronized_step_does(world):
     """Under no_sync() nothing is sent; the next synchronized backward brings rank 0's."""
-    results = worlds.outcome(world, "norm_statistics")
+    results = worlds.outcome(world(WORLD_SIZE), "norm_statistics")
     for r in results:
         assert r["no_sync"] == ["forward", "backward"]
         assert r["after_no_sync"] == AFTER_BACKWARD
@@ -156,14 +150,14 @@ def test_no_sync_sends_no_buffers_and_the_next_synchronized_step_does(world):
 
 def test_forwards_that_read_statistics_get_them_before(world):
     """An eval forward, and a frozen (eval-mode) norm layer in training, get them first."""
-    for r in worlds.outcome(world, "norm_statistics"):
+    for r in worlds.outcome(world(WORLD_SIZE), "norm_statistics"):
         assert r["eval"] == ["forward", "buffers from 0"]
         assert r["frozen"] == BEFORE_FORWARD
 
 
 def test_other_buffers_are_broadcast_before_the_forward_that_reads_them(world):
     """A buffer the forward reads reaches every rank before it: the output uses rank 0's."""
-    for r in worlds.outcome(world, "read_buffer"):
+    for r in worlds.outcome(world(WORLD_SIZE), "read_buffer"):
         assert r["events"] == BEFORE_FORWARD
         assert r["output_uses_rank0s"]
 
@@ -172,7 +166,7 @@ def test_only_norm_statistics_in_training_mode_may_follow_the_gradients():
     """BatchNorm/InstanceNorm in training: yes; in eval mode, or beside another buffer: no."""
 
     def follows(module: nn.Module) -> bool:
-        return ModelBuffers(module, comm_hook=None, process_group=None).follow_gradients()
+        return ModelBuffers(module, process_group=None).follow_gradients()
 
     norms = nn.Sequential(nn.BatchNorm1d(4), nn.InstanceNorm1d(4, track_running_stats=True))
     assert follows(norms)
@@ -180,4 +174,4 @@ def test_only_norm_statistics_in_training_mode_may_follow_the_gradients():
     assert not follows(norms)
     assert not follows(_Scaled())
     assert not follows(nn.Sequential(nn.BatchNorm1d(4), _Scaled()))
-    assert not ModelBuffers(nn.Linear(2, 2), None, None)  # no buffers at all
+    assert not ModelBuffers(nn.Linear(2, 2), None)  # no buffers at all

@@ -206,16 +206,6 @@ CASES_BY_WORLD = {
 }
 
 
-def _run_cases(names: list[str]) -> dict:
-    return worlds.run_cases(CASES, names)
-
-
-@pytest.fixture(scope="module")
-def world():
-    """world(ws): every case of CASES_BY_WORLD[ws] from one spawned world, spawned once."""
-    return worlds.spawner(_run_cases, CASES_BY_WORLD, WORLD_TIMEOUT_S)
-
-
 @pytest.mark.parametrize("case", MODELS)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_matches_official_ddp_bitwise_over_many_steps(world, world_size, case):
@@ -313,3 +303,6 @@ CASES = {
     "smooth_steps": _case_smooth_steps,
     "no_sync_semantics": _case_no_sync_semantics,
 }
+
+
+world = worlds.fixture(CASES, CASES_BY_WORLD, timeout_s=WORLD_TIMEOUT_S)

@@ -140,11 +140,4 @@ CASES = {
 CASES_BY_WORLD = {2: list(CASES)}
 
 
-def _run_cases(names: list[str]) -> dict:
-    return worlds.run_cases(CASES, names)
-
-
-@pytest.fixture(scope="module")
-def world():
-    """world(2): every case of this module from one spawned world, spawned once."""
-    return worlds.spawner(_run_cases, CASES_BY_WORLD, WORLD_TIMEOUT_S)
+world = worlds.fixture(CASES, CASES_BY_WORLD, timeout_s=WORLD_TIMEOUT_S)

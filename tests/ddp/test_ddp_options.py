@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import ddptrain
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import toy_models, worlds
 
@@ -77,7 +76,7 @@ def _one_step(model_name: str, rank: int, channels_last: bool = False, **options
         "ours": _worst_ulps(ours.module, plain),
         "official": _worst_ulps(theirs.module, plain),
         "n_buckets": len(ours.bucket_sizes_bytes),
-        "hook": type(ours.comm_hook).__name__,
+        "hook": type(ours.comm_hook[0]).__name__,
         "dtypes": sorted({str(p.dtype) for p in ours.parameters()}),
         # Per parameter: (NHWC weight, .grad laid out as the weight, .grad inside a bucket).
         "layouts": [
@@ -114,16 +113,10 @@ def _case_channels_last_bf16(info) -> dict:
     return _one_step("lenet_nodrop", info.rank, channels_last=True, comm_hook="bf16")
 
 
-@pytest.fixture(scope="module")
-def world():
-    """Every case of this module from one spawned world of 3 ranks."""
-    return ddptrain.spawn(_run_cases, WORLD_SIZE, timeout_s=WORLD_TIMEOUT_S)
-
-
 @pytest.mark.parametrize("case", ["many_buckets", "mixed_dtypes"])
 def test_averaged_gradients_within_ulps_of_the_exact_mean(world, case):
     """Many buckets / float32+float64 buckets at ws 3: grads within 3 ulps of the exact mean."""
-    for rank, r in enumerate(worlds.outcome(world, case)):
+    for rank, r in enumerate(worlds.outcome(world(WORLD_SIZE), case)):
         ours, official = max(r["ours"].values()), max(r["official"].values())
         print(f"{case} ws=3 rank={rank}: ulps ours-exact {ours:.3g}, official-exact {official:.3g}")
         assert max(r["ours"].values()) <= ULPS and max(r["official"].values()) <= ULPS
@@ -136,7 +129,7 @@ def test_averaged_gradients_within_ulps_of_the_exact_mean(world, case):
 def test_channels_last_gradients_are_nhwc_bucket_views_with_the_exact_mean(world):
     """A channels_last LeNet: each .grad is a bucket view laid out as its weight (no transposing
     copy), and the averaged gradients are within 3 ulps of the exact mean."""
-    for r in worlds.outcome(world, "channels_last"):
+    for r in worlds.outcome(world(WORLD_SIZE), "channels_last"):
         assert max(r["ours"].values()) <= ULPS
         assert any(nhwc for nhwc, _, _ in r["layouts"])
         assert all(same and inside for _, same, inside in r["layouts"]), r["layouts"]
@@ -148,12 +141,12 @@ def test_channels_last_with_bf16_buckets_pairs_each_element_with_its_own(world):
     # Each rank's gradient and the sum are rounded to bf16 (8 bits: 2^16 float32 ulps each):
     # within ws/2 + 1 bf16 ulps of the magnitude; 2 * ws allowed.
     bf16_bound = 2 * ULPS * 2**16
-    for r in worlds.outcome(world, "channels_last_bf16"):
+    for r in worlds.outcome(world(WORLD_SIZE), "channels_last_bf16"):
         worst = max(r["ours"].values())
         print(f"channels_last bf16 buckets: worst {worst / 2**16:.3g} bf16 ulps")
         assert worst <= bf16_bound
         assert all(same for _, same, _ in r["layouts"]), r["layouts"]
-        assert r["hook"] == "CastHook", "comm_hook='bf16' was not built from its name"
+        assert r["hook"] == "Cast", "comm_hook='bf16' was not built from its name"
 
 
 def _case_broadcast_buffers(info) -> dict:
@@ -175,7 +168,7 @@ def _case_broadcast_buffers(info) -> dict:
 
 def test_broadcast_buffers_false_keeps_rank_local_buffers(world):
     """broadcast_buffers=False leaves each rank's BatchNorm stats; True brings rank 0's."""
-    results = worlds.outcome(world, "broadcast_buffers")
+    results = worlds.outcome(world(WORLD_SIZE), "broadcast_buffers")
     assert [r[True] for r in results] == [True] * WORLD_SIZE
     assert [r[False] for r in results] == [True, False, False]
 
@@ -205,7 +198,7 @@ def _case_subgroup(info) -> dict | None:
         out = {
             "bitwise": all(torch.equal(a, b) for a, b in pairs),
             "from_group_rank0": torch.equal(initial, rank1_base),
-            "hook": getattr(ours.comm_hook, "__name__", type(ours.comm_hook).__name__),
+            "hook": type(ours.comm_hook[0]).__name__,
         }
     dist.barrier()
     return out
@@ -213,12 +206,12 @@ def _case_subgroup(info) -> dict | None:
 
 def test_subgroup_of_ranks_1_and_2_trains_like_official_ddp(world):
     """process_group=[1, 2] of 3: weights start from rank 1 and equal official DDP bitwise."""
-    results = worlds.outcome(world, "subgroup")
+    results = worlds.outcome(world(WORLD_SIZE), "subgroup")
     assert results[0] is None
     for r in results[1:]:
         assert r["bitwise"] and r["from_group_rank0"]
         # Shared memory serves the whole world only; direct TCP serves any group.
-        assert r["hook"] == "SocketHook"
+        assert r["hook"] == "Socket"
 
 
 CASES = {
@@ -229,7 +222,4 @@ CASES = {
     "broadcast_buffers": _case_broadcast_buffers,
     "subgroup": _case_subgroup,
 }
-
-
-def _run_cases() -> dict:
-    return worlds.run_cases(CASES, list(CASES))
+world = worlds.fixture(CASES, {WORLD_SIZE: list(CASES)}, timeout_s=WORLD_TIMEOUT_S)

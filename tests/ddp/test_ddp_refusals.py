@@ -12,7 +12,6 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import ddptrain
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import worlds
 
@@ -21,12 +20,6 @@ from support import worlds
 WORLD_TIMEOUT_S = 240
 pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
 WORLD_SIZE = 2
-
-
-@pytest.fixture(scope="module")
-def world():
-    """Every case of this module from one spawned world of 2 ranks."""
-    return ddptrain.spawn(_run_cases, WORLD_SIZE, timeout_s=WORLD_TIMEOUT_S)
 
 
 def _raised(call: Callable[[], object]) -> str:
@@ -46,7 +39,7 @@ def _case_shape_mismatch(info) -> str:
 def test_shape_mismatch_is_a_clear_error_on_every_rank(world):
     """Ranks wrapping different shapes get an error naming the parameter and rank, no hang."""
     # A hang instead of the error would stop the whole world at spawn's timeout.
-    for message in worlds.outcome(world, "shape_mismatch"):
+    for message in worlds.outcome(world(WORLD_SIZE), "shape_mismatch"):
         assert "ranks wrap different models" in message
         assert "0.weight" in message and "rank 1" in message
 
@@ -60,7 +53,7 @@ def _case_backward_twice(info) -> str:
 
 def test_backward_twice_is_a_clear_error(world):
     """A second backward on one forward raises a clear error instead of double-reducing."""
-    for message in worlds.outcome(world, "backward_twice"):
+    for message in worlds.outcome(world(WORLD_SIZE), "backward_twice"):
         assert "backward was called twice" in message
 
 
@@ -73,7 +66,7 @@ def _case_param_added(info) -> str:
 
 def test_parameters_added_after_wrapping_are_refused(world):
     """Adding a parameter after wrapping is refused at the next forward with the fix named."""
-    for message in worlds.outcome(world, "param_added"):
+    for message in worlds.outcome(world(WORLD_SIZE), "param_added"):
         assert "parameters changed after wrapping" in message
 
 
@@ -94,7 +87,7 @@ def _case_structure_changes(info) -> str:
 
 def test_parameter_added_to_an_existing_layer_is_refused_but_a_plain_layer_is_not(world):
     """A new parameter on a wrapped layer is caught; appending a parameter-free layer is fine."""
-    for message in worlds.outcome(world, "structure_changes"):
+    for message in worlds.outcome(world(WORLD_SIZE), "structure_changes"):
         assert "parameters changed after wrapping" in message
 
 
@@ -104,7 +97,4 @@ CASES = {
     "param_added": _case_param_added,
     "structure_changes": _case_structure_changes,
 }
-
-
-def _run_cases() -> dict:
-    return worlds.run_cases(CASES, list(CASES))
+world = worlds.fixture(CASES, {WORLD_SIZE: list(CASES)}, timeout_s=WORLD_TIMEOUT_S)

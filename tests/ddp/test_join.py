@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import ddptrain
+from support import worlds
 from support.join_nets import BUCKET_MB, Net, compare, train, wrap
 
 # Stated tolerance against official DDP at world size 3: with a rank joined, the two still
@@ -52,7 +52,7 @@ CASES = {
 }
 # At world size 1 the batch count is the rank's own (each rank is alone in its group).
 WS1_CASES = [("ws1", [5, 0], "default", True, "bn"), ("ws1", [5, 0], "allreduce", False, "bn")]
-# Cast hooks have no official counterpart (torch's bf16 hook narrows before dividing), so their
+# Cast transports have no official counterpart (torch's bf16 hook narrows before dividing), so their
 # oracle is this wrapper with the same hook where the short rank, instead of joining, keeps
 # stepping with zero gradients: a joined rank must be indistinguishable from that.
 CAST_CASES = {2: [("3/5", [3, 5], h) for h in ("bf16", "fp16", "allreduce-bf16", "ring-fp16")]}
@@ -73,13 +73,18 @@ def _against_official(rank: int, cases: list, group=None) -> dict:
     return out
 
 
-def _run_world(world_size: int) -> dict:
-    info = ddptrain.init_distributed()
-    out = _against_official(info.rank, CASES[world_size])
-    if world_size == 2:
-        alone = [torch.distributed.new_group([r]) for r in range(world_size)][info.rank]
-        out["ws1"] = _against_official(info.rank, WS1_CASES, alone)
-    for name, batches, hook_name in CAST_CASES.get(world_size, []):
+def _case_official(info) -> dict:
+    return _against_official(info.rank, CASES[info.world_size])
+
+
+def _case_ws1(info) -> dict:
+    alone = [torch.distributed.new_group([r]) for r in range(info.world_size)][info.rank]
+    return _against_official(info.rank, WS1_CASES, alone)
+
+
+def _case_cast(info) -> dict:
+    out = {}
+    for name, batches, hook_name in CAST_CASES[info.world_size]:
         torch.manual_seed(5 + info.rank)
         base = Net(batchnorm=False, unused=True)
         n = batches[info.rank]
@@ -96,15 +101,10 @@ def _run_world(world_size: int) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"ws{w}")
-def world(request) -> tuple[int, list[dict]]:
-    world_size = request.param
-    return world_size, ddptrain.spawn(_run_world, world_size, world_size, timeout_s=240)
-
-
-def test_join_matches_official_ddp(world):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_join_matches_official_ddp(world, world_size):
     """Uneven batches finish on every rank and equal official DDP.join(): bitwise at ws<=2."""
-    world_size, results = world
+    results = worlds.outcome(world(world_size), "official")
     for name, _, hook_name, divide, _ in CASES[world_size]:
         key = (name, hook_name, divide)
         diffs = [r[key]["max_diff"] for r in results]
@@ -121,32 +121,35 @@ def test_join_matches_official_ddp(world):
 
 def test_world_size_one_takes_the_same_path(world):
     """At world size 1 (a rank alone in its group) join equals official DDP's, 5 or 0 batches."""
-    world_size, results = world
-    if world_size != 2:
-        pytest.skip("world size 1 runs inside the world of 2")
-    for rank, r in enumerate(results):
+    for rank, r in enumerate(worlds.outcome(world(2), "ws1")):
         for name, _, hook_name, divide, _ in WS1_CASES:
-            assert r["ws1"][(name, hook_name, divide)]["bitwise"], (rank, hook_name)
+            assert r[(name, hook_name, divide)]["bitwise"], (rank, hook_name)
 
 
-def test_replicas_agree_after_join(world):
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_replicas_agree_after_join(world, world_size):
     """After join every rank holds the same parameters and buffers, whatever it trained on."""
-    world_size, results = world
+    results = worlds.outcome(world(world_size), "official")
     for name, _, hook_name, divide, _ in CASES[world_size]:
         key = (name, hook_name, divide)
         for r in results[1:]:
             assert torch.equal(r[key]["state"], results[0][key]["state"]), key
 
 
-def test_cast_hooks_under_join_equal_zero_gradient_steps(world):
-    """With bf16/fp16 hooks a joined rank is bitwise a rank adding zero gradients, using nothing."""
-    world_size, results = world
-    if world_size not in CAST_CASES:
-        pytest.skip("cast hooks are checked at world size 2")
-    for name, _, hook_name in CAST_CASES[world_size]:
+def test_cast_transports_under_join_equal_zero_gradient_steps(world):
+    """With bf16/fp16 transports a joined rank is bitwise a rank adding zero gradients, using
+    nothing."""
+    results = worlds.outcome(world(2), "cast")
+    for name, _, hook_name in CAST_CASES[2]:
         key = (name, hook_name, True)
         r = results[results[0][key]["oracle_rank"]][key]
-        print(f"ws={world_size} {name} {hook_name}: max|diff|={r['max_diff']:.3g}")
+        print(f"ws=2 {name} {hook_name}: max|diff|={r['max_diff']:.3g}")
         assert r["bitwise"], (key, r["max_diff"])
         # The last backward ran with the other rank joined: it marked no parameter used.
         assert r["grad_none"] == ["never_used.bias", "never_used.weight"], r["grad_none"]
+
+
+BY_WORLD = {2: ["official", "ws1", "cast"], 3: ["official"]}
+world = worlds.fixture(
+    {"official": _case_official, "ws1": _case_ws1, "cast": _case_cast}, BY_WORLD, timeout_s=300
+)

@@ -1,5 +1,5 @@
-"""model.join() with SyncBatchNorm, gradient accumulation rounds, throw_on_early_termination
-and enable=False, one spawned world per size; against official DDP: test_join.py."""
+"""Join with SyncBatchNorm, gradient accumulation rounds, throw_on_early_termination and
+enable=False, one spawned world per size; against official DDP: test_join.py."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-import ddptrain
-from ddptrain.ddp.join import EarlyTerminationError
 from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
+from support import worlds
 from support.join_nets import Net, batch, state, train, wrap
 
 # SyncBatchNorm under join against one process with nn.BatchNorm training, at each step, on the
@@ -22,10 +22,12 @@ from support.join_nets import Net, batch, state, train, wrap
 # in float64 where nn.BatchNorm reduces float32 over the concatenated batch, and the two losses
 # are summed in a different order: 1.8e-7 measured after 5 momentum steps.
 SBN_ATOL = 1e-6
+# (name, batches per rank, transport, divide_by_initial_world_size, SyncBatchNorm's group):
+# the transports reduce on channels of their own, so SyncBatchNorm may share the model's group.
 SBN_CASES = [
-    ("3/5", [3, 5], "default", True),
-    ("0/4", [0, 4], "allreduce", False),
-    ("5/2 ring", [5, 2], "ring", True),
+    ("3/5", [3, 5], "default", True, "own"),
+    ("0/4", [0, 4], "allreduce", False, "model's"),
+    ("5/2 ring", [5, 2], "ring", True, "model's"),
 ]
 # Gradient accumulation in rounds of up to `round` micro-batches, each rank's last round cut
 # short by its data: (name, batches per rank, round, divide_by_initial_world_size, ranks whose
@@ -45,19 +47,19 @@ ROUND_CASES = {
 }
 
 
-def _run_world(world_size: int) -> dict:
-    info = ddptrain.init_distributed()
-    out = {}
-    if world_size == 2:
-        sbn_group = torch.distributed.new_group()
-        for name, batches, hook_name, divide in SBN_CASES:
-            out[("sbn", name)] = _sbn_case(info.rank, batches, hook_name, divide, sbn_group)
-        out["sbn_same_group"] = _sbn_same_group_error()
-    for name, batches, round_len, divide, _ in ROUND_CASES[world_size]:
-        out[("rounds", name)] = _rounds_case(info.rank, batches, round_len, divide)
-    out["throw"] = _throw_case(info.rank, world_size)
-    out["disabled"] = _disabled_case(info.rank)
-    return out
+def _case_sbn(info) -> dict:
+    own = torch.distributed.new_group()
+    return {
+        name: _sbn_case(info.rank, batches, hook_name, divide, own if group == "own" else None)
+        for name, batches, hook_name, divide, group in SBN_CASES
+    }
+
+
+def _case_rounds(info) -> dict:
+    return {
+        name: _rounds_case(info.rank, batches, round_len, divide)
+        for name, batches, round_len, divide, _ in ROUND_CASES[info.world_size]
+    }
 
 
 def _sbn_case(rank: int, batches: list[int], hook_name: str, divide: bool, group) -> dict:
@@ -117,17 +119,17 @@ def _rounds_case(rank: int, batches: list[int], round_len: int, divide: bool) ->
     }
 
 
-def _sbn_same_group_error() -> str | None:
-    model = wrap(convert_sync_batchnorm(Net(batchnorm=True)), "allreduce", copied=False)
+def _case_torch_hook_on_sbn_group(info) -> str | None:
+    model = wrap(convert_sync_batchnorm(Net(batchnorm=True)), "default", copied=False)
     try:
-        with model.join():
-            pass
+        model.register_comm_hook(None, allreduce_hook)
     except ValueError as e:
         return str(e)
     return None
 
 
-def _throw_case(rank: int, world_size: int) -> dict:
+def _case_throw(info) -> dict:
+    rank = info.rank
     model = wrap(Net(batchnorm=True), "default")
     steps = 0
     try:
@@ -135,70 +137,84 @@ def _throw_case(rank: int, world_size: int) -> dict:
             for i in range(3 + 2 * rank):
                 F.cross_entropy(model(batch(rank, i)[0]), batch(rank, i)[1]).backward()
                 steps += 1
-    except EarlyTerminationError as e:
+    except RuntimeError as e:
         return {"error": str(e), "steps": steps}
     return {"error": None, "steps": steps}
 
 
-def _disabled_case(rank: int) -> dict:
-    """enable=False with even inputs: no extra collective, same result as without join."""
+def _case_disabled(info) -> dict:
+    """enable=False: forwards join no collective, and training is as without join."""
     torch.manual_seed(3)
     base = Net(batchnorm=True)
     disabled, plain = wrap(base, "default"), wrap(base, "default")
     join = disabled.join(enable=False)
-    with join:
-        attached = disabled._join is not None
     train(disabled, 3, 1, join)
     train(plain, 3, 1)
-    return {
-        "attached": attached,
-        "equal": torch.equal(state(disabled.module), state(plain.module)),
-    }
-
-
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"ws{w}")
-def world(request) -> tuple[int, list[dict]]:
-    world_size = request.param
-    return world_size, ddptrain.spawn(_run_world, world_size, world_size, timeout_s=240)
+    # Rank 0 alone runs a forward in a disabled join: an enabled one would wait for the others
+    # in its per-forward all_reduce until the collective timeout.
+    lone = wrap(Net(batchnorm=False), "default")
+    aside = torch.distributed.new_group()
+    if info.rank == 0:
+        with lone.join(enable=False), torch.no_grad():
+            lone(batch(0, 0)[0])
+    torch.distributed.barrier(group=aside)
+    return {"equal": torch.equal(state(disabled.module), state(plain.module))}
 
 
 def test_sync_batchnorm_under_join_equals_one_process_on_active_batches(world):
-    """SyncBatchNorm with a joined rank: equal to one process on the active ranks' batches."""
-    world_size, results = world
-    if world_size != 2:
-        pytest.skip("SyncBatchNorm under join is checked at world size 2")
-    for name, _, hook_name, divide in SBN_CASES:
-        diffs = [r[("sbn", name)]["max_diff"] for r in results]
-        print(f"ws=2 SyncBatchNorm {name} {hook_name} divide={divide}: max|diff|={max(diffs):.3g}")
+    """SyncBatchNorm with a joined rank, on its own group or the model's: equal to one process
+    on the active ranks' batches."""
+    results = worlds.outcome(world(2), "sbn")
+    for name, _, hook_name, divide, group in SBN_CASES:
+        diffs = [r[name]["max_diff"] for r in results]
+        print(f"ws=2 SyncBatchNorm {name} {hook_name} {divide} {group}: max|diff|={max(diffs):.3g}")
         assert max(diffs) <= SBN_ATOL, (name, diffs)
-    for r in results:
-        assert "give SyncBatchNorm its own group" in (r["sbn_same_group"] or ""), r
 
 
-def test_a_round_cut_short_while_others_accumulate_is_deferred_not_mismatched(world):
+def test_a_torch_hook_on_the_group_sync_batchnorm_uses_is_refused(world):
+    """A torch hook reducing on SyncBatchNorm's group would interleave with its backward: a
+    clear error at registration, naming the way out."""
+    for r in worlds.outcome(world(2), "torch_hook_on_sbn_group"):
+        assert "a group of its own" in (r or ""), r
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_round_cut_short_while_others_accumulate_is_deferred_not_mismatched(world, world_size):
     """Accumulation rounds that end early on a rank out of data: no hang, equal to one process
     summing every rank's round mean, deferred exactly where another rank still accumulates."""
-    world_size, results = world
+    results = worlds.outcome(world(world_size), "rounds")
     for name, _, _, _, deferred in ROUND_CASES[world_size]:
-        diffs = [r[("rounds", name)]["max_diff"] for r in results]
+        diffs = [r[name]["max_diff"] for r in results]
         print(f"ws={world_size} rounds {name}: max|diff|={max(diffs):.3g}")
         assert max(diffs) <= SBN_ATOL, (name, diffs)
-        seen = [rank for rank, r in enumerate(results) if r[("rounds", name)]["deferred"]]
+        seen = [rank for rank, r in enumerate(results) if r[name]["deferred"]]
         assert seen == deferred, name
         for r in results[1:]:
-            assert torch.equal(r[("rounds", name)]["state"], results[0][("rounds", name)]["state"])
+            assert torch.equal(r[name]["state"], results[0][name]["state"])
 
 
-def test_throw_on_early_termination_raises_on_every_rank(world):
-    """throw_on_early_termination: every rank raises the same error at the shortest rank's end."""
-    world_size, results = world
-    errors = {r["throw"]["error"] for r in results}
-    assert len(errors) == 1 and None not in errors, errors
-    assert "rank(s) [0] ran out of inputs" in errors.pop()
-    assert [r["throw"]["steps"] for r in results] == [3] * world_size
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_throw_on_early_termination_raises_on_every_rank(world, world_size):
+    """throw_on_early_termination: every rank raises torch's error at the shortest rank's end."""
+    results = worlds.outcome(world(world_size), "throw")
+    assert "Rank 0 exhausted all inputs" in (results[0]["error"] or "")
+    for r in results[1:]:
+        assert "Detected at least one rank that exhausted inputs" in (r["error"] or ""), r
+    assert [r["steps"] for r in results] == [3] * world_size
 
 
 def test_enable_false_is_a_no_op(world):
-    """join(enable=False) adds no collective: even inputs train exactly as without join."""
-    _, results = world
-    assert all(r["disabled"]["equal"] and not r["disabled"]["attached"] for r in results)
+    """join(enable=False) adds no collective: a lone forward passes, and even inputs train
+    exactly as without join."""
+    assert all(r["equal"] for r in worlds.outcome(world(2), "disabled"))
+
+
+CASES = {
+    "sbn": _case_sbn,
+    "torch_hook_on_sbn_group": _case_torch_hook_on_sbn_group,
+    "rounds": _case_rounds,
+    "throw": _case_throw,
+    "disabled": _case_disabled,
+}
+BY_WORLD = {2: list(CASES), 3: ["rounds", "throw"]}
+world = worlds.fixture(CASES, BY_WORLD, timeout_s=300)

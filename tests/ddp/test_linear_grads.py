@@ -268,15 +268,14 @@ CASES = {
 BY_WORLD = {2: [c for c in CASES if c != "third"], 3: ["third"]}
 
 
-def _run_cases(names: list[str]) -> dict:
+def _route_small_layers() -> None:
     linear_grads.SLOT_MIN_BYTES = 0  # route these small test layers too (in the ranks only)
-    return worlds.run_cases(CASES, names)
 
 
-world = worlds.spawner(_run_cases, BY_WORLD, timeout_s=WORLD_TIMEOUT_S)
+world = worlds.fixture(CASES, BY_WORLD, timeout_s=WORLD_TIMEOUT_S, setup=_route_small_layers)
 
 
-def test_linear_gradients_are_computed_in_their_bucket_slots():
+def test_linear_gradients_are_computed_in_their_bucket_slots(world):
     """ws=2: backward makes no private weight-sized tensor (the copy path does); grads are views."""
     for r in worlds.outcome(world(2), "in_slots"):
         assert r["slots"] == {"private_weight_sized": 0, "grads_in_buckets": True}
@@ -284,14 +283,14 @@ def test_linear_gradients_are_computed_in_their_bucket_slots():
         assert r["copy_path"]["grads_in_buckets"]
 
 
-def test_slot_gradients_equal_official_ddp_bitwise():
+def test_slot_gradients_equal_official_ddp_bitwise(world):
     """ws=2, 3 SGD steps of an MLP, 2-D and 3-D inputs: every gradient equals official DDP's."""
     for r in worlds.outcome(world(2), "in_slots"):
         assert r["vs_official"]["bitwise"] and r["vs_official_3d"]["bitwise"]
 
 
 @pytest.mark.parametrize("case", ["hook", "no_sync", "autocast"])
-def test_cases_that_keep_autograds_tensor_equal_official_ddp_bitwise(case):
+def test_cases_that_keep_autograds_tensor_equal_official_ddp_bitwise(world, case):
     """A hook on a weight, no_sync accumulation, bf16 autocast: bitwise official DDP's gradients."""
     for r in worlds.outcome(world(2), case):
         assert r["bitwise"]
@@ -299,7 +298,7 @@ def test_cases_that_keep_autograds_tensor_equal_official_ddp_bitwise(case):
             assert r["hook_sees_local"]
 
 
-def test_autograd_grad_through_the_wrapper_returns_local_gradients_and_spoils_no_slot():
+def test_autograd_grad_through_the_wrapper_returns_local_gradients_and_spoils_no_slot(world):
     """torch.autograd.grad (w.r.t. a weight, or the input before a backward as in adversarial
     training) equals the plain model's, and the next backward equals official DDP's bitwise."""
     for r in worlds.outcome(world(2), "autograd_grad"):
@@ -307,13 +306,13 @@ def test_autograd_grad_through_the_wrapper_returns_local_gradients_and_spoils_no
         assert r["bitwise"], r["worst_ulps"]
 
 
-def test_checkpointed_and_vmapped_layers_equal_official_ddp_bitwise():
+def test_checkpointed_and_vmapped_layers_equal_official_ddp_bitwise(world):
     """Activation checkpointing (reentrant or not) and torch.func.vmap inside the forward."""
     for r in worlds.outcome(world(2), "checkpointed"):
         assert r == {"reentrant": True, "non_reentrant": True, "vmap": True}
 
 
-def test_create_graph_is_refused_clearly_and_autograd_grad_penalties_work():
+def test_create_graph_is_refused_clearly_and_autograd_grad_penalties_work(world):
     """backward(create_graph=True) names itself; an autograd.grad penalty matches official DDP."""
     for r in worlds.outcome(world(2), "create_graph"):
         assert "create_graph=True) is not supported" in r["error"]
@@ -322,14 +321,14 @@ def test_create_graph_is_refused_clearly_and_autograd_grad_penalties_work():
         assert r["penalty_ulps"] <= PENALTY_ULPS
 
 
-def test_a_penalty_outside_forward_is_added_to_the_slot_gradient():
+def test_a_penalty_outside_forward_is_added_to_the_slot_gradient(world):
     """A weight penalty after the forward: gradients within a few ulps of official DDP's."""
     for r in worlds.outcome(world(2), "penalty"):
         print(f"penalty term: {r['worst_ulps']:.3g} ulps from official DDP")
         assert r["worst_ulps"] <= PENALTY_ULPS
 
 
-def test_scale_that_is_not_a_power_of_two_keeps_the_copy_paths_bits():
+def test_scale_that_is_not_a_power_of_two_keeps_the_copy_paths_bits(world):
     """ws=3: gradients computed into slots equal those copied and scaled by the hook, bitwise."""
     for r in worlds.outcome(world(3), "third"):
         assert r["bitwise"]

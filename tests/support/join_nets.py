@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddptrain.ddp.hooks import make_hook
 from ddptrain.ddp.wrapper import DistributedDataParallel
 
 # Tiny buckets (about 1 KB): several per model, so launch order and the rebuild are exercised.
@@ -71,12 +70,11 @@ def state(model: nn.Module) -> torch.Tensor:
 
 
 def wrap(base: nn.Module, hook_name: str, group=None, copied=True) -> DistributedDataParallel:
-    hook = None if hook_name == "default" else make_hook(hook_name, group)
     return DistributedDataParallel(
         copy.deepcopy(base) if copied else base,
         bucket_cap_mb=BUCKET_MB,
         first_bucket_cap_mb=BUCKET_MB,
-        comm_hook=hook,
+        comm_hook=None if hook_name == "default" else hook_name,
         process_group=group,
     )
 

@@ -27,7 +27,6 @@ from torch.distributed import all_gather_object
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import ddptrain
-from ddptrain.ddp.hooks import make_hook
 from ddptrain.models import LeNet
 
 PER_RANK_BATCH_SIZE = 8
@@ -121,8 +120,7 @@ def main(argv: list[str] | None = None) -> None:
 
     info = ddptrain.init_distributed(backend="gloo")
     torch.manual_seed(0)
-    hook = None if args.comm_hook == "default" else make_hook(args.comm_hook)
-    model = ddptrain.DDP(LeNet(dropout=0.0), comm_hook=hook)
+    model = ddptrain.DDP(LeNet(dropout=0.0), comm_hook=args.comm_hook)
     params = list(model.parameters())
     buffers = [torch.zeros_like(p) for p in params]
     for step in range(args.steps):
@@ -136,13 +134,13 @@ def main(argv: list[str] | None = None) -> None:
     all_gather_object(placements, where_am_i(info))
     if info.is_main:
         params = {name: p.detach().clone() for name, p in model.module.named_parameters()}
-        hook = model.comm_hook
+        transport, _ = model.comm_hook
         result = {
             "world_size": info.world_size,
             "launcher": info.launcher,
             "params": params,
             "placements": placements,
-            "comm_hook": getattr(hook, "__name__", type(hook).__name__),
+            "comm_hook": type(transport).__name__,
         }
         torch.save(result, args.out)
     ddptrain.shutdown()

@@ -1,7 +1,7 @@
 """What the tests of hand-written sums (ring, shared memory, TCP) share: sizes, the stated
 tolerance against the backend, the backend's sum, and the mark for machines without /dev/shm.
 
-    from support.sums import NUMELS, RTOL, ATOL, backend_sum, needs_shm
+    from support.sums import NUMELS, RTOL, ATOL, backend_sum, needs_shm, reduce_with
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.cpu.shm import SHM_DIR
+from ddptrain.ddp.hooks import GradBucket, Transport
 
 # Sizes around the chunking edge cases: empty, fewer elements than ranks, not divisible.
 NUMELS = [0, 1, 2, 3, 5, 7, 64, 1001, 65_539]
@@ -29,3 +30,9 @@ def backend_sum(t: torch.Tensor) -> torch.Tensor:
     out = t.clone()
     dist.all_reduce(out)
     return out
+
+
+def reduce_with(transport: Transport, tensor: torch.Tensor, last: bool = True) -> torch.Tensor:
+    """`tensor` summed in place by `transport`, as the wrapper hands it a bucket."""
+    transport.reduce(GradBucket(0, tensor, [], [], last))
+    return tensor

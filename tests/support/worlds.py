@@ -1,21 +1,21 @@
 """One spawned world runs many test cases: process starts dominate the suite's time.
 
-    CASES = {"sum": _case_sum, ...}           # module-level; each fn(info) -> picklable result
+    CASES = {"sum": _case_sum, ...}               # module-level; each fn(info) -> picklable result
+    world = worlds.fixture(CASES, {2: ["sum"], 3: ["sum"]})   # a module-scoped pytest fixture
 
-    def _run_cases(names):
-        return worlds.run_cases(CASES, names)
+    def test_sum(world):
+        per_rank = worlds.outcome(world(2), "sum")   # [rank 0's result, ...]; fails with traceback
 
-    results = ddptrain.spawn(_run_cases, 3, list(CASES), timeout_s=120)
-    per_rank = worlds.outcome(results, "sum")  # [rank 0's result, ...]; fails with the traceback
-
-A case that raises is recorded with its traceback and the next case runs, so one broken case
-fails its own test, not the whole module. A case that breaks a collective on some ranks only
-still hangs the world: spawn's timeout reports it.
+A case that raises is recorded with its traceback; the cases after it in that world are not
+run (a failed collective may leave the ranks out of step) and their tests fail saying so.
+Collectives time out after COLLECTIVE_TIMEOUT_S, so a broken collective fails its test in well
+under a minute instead of hanging until the world's timeout.
 """
 
 from __future__ import annotations
 
 import functools
+import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -24,28 +24,43 @@ import pytest
 
 import ddptrain
 
+# A rank waiting for a peer longer than this raises: far above what a case's collective waits
+# on a loaded 2-core machine, well below a minute.
+COLLECTIVE_TIMEOUT_S = 30.0
+# A whole world (every case of a module): the last resort, if a case hangs outside collectives.
+WORLD_TIMEOUT_S = 540.0
+
 
 def run_cases(cases: dict[str, Callable[[Any], Any]], names: list[str]) -> dict[str, tuple]:
     """Inside a spawned rank: run each named case; return {name: (ok, result or traceback)}."""
-    info = ddptrain.init_distributed()
-    out = {}
+    info = ddptrain.init_distributed(timeout_s=COLLECTIVE_TIMEOUT_S)
+    out: dict[str, tuple] = {}
+    failed = None
     for name in names:
+        if failed is not None:
+            out[name] = (False, f"not run: case {failed!r} failed before it in this world")
+            continue
         try:
             out[name] = (True, cases[name](info))
         except Exception as e:  # noqa: BLE001 - reported by outcome() in the test that owns it
             out[name] = (False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+            failed = name
     return out
 
 
-def run_cases_in_shared_memory(
-    cases: dict[str, Callable[[Any], Any]], names: list[str]
-) -> dict[str, tuple]:
-    """run_cases, with the shared-memory transport taking buckets of any size."""
+def share_small_buckets() -> None:
+    """Inside a rank: the shared-memory transport takes buckets whatever room the tmpfs has."""
     # The test buckets are a few KB: without the 256 MB headroom a 64 MB container /dev/shm
     # still takes the shared path these tests are about.
     from ddptrain.cpu import shm
 
-    shm._SHM_HEADROOM_BYTES = 0
+    shm.SHM_HEADROOM_BYTES = 0
+
+
+def _setup_and_run(
+    setup: Callable[[], None], cases: dict[str, Callable[[Any], Any]], names: list[str]
+) -> dict[str, tuple]:
+    setup()
     return run_cases(cases, names)
 
 
@@ -68,3 +83,31 @@ def spawner(
         return ddptrain.spawn(run, world_size, cases_by_world[world_size], timeout_s=timeout_s)
 
     return results
+
+
+def fixture(
+    cases: dict[str, Callable[[Any], Any]],
+    cases_by_world: dict[int, list[str]],
+    *,
+    timeout_s: float = WORLD_TIMEOUT_S,
+    setup: Callable[[], None] | None = None,
+) -> Any:
+    """A module-scoped fixture `world`: world(ws) spawns (once) the world of ws ranks that runs
+    cases_by_world[ws]; `setup` (module-level, e.g. share_small_buckets) runs in each rank
+    first."""
+    run = functools.partial(run_cases, cases)
+    if setup is not None:
+        run = functools.partial(_setup_and_run, setup, cases)
+
+    @pytest.fixture(scope="module")
+    def world() -> Callable[[int], list[dict]]:
+        return spawner(run, cases_by_world, timeout_s)
+
+    return world
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,4 +1,5 @@
-"""Hand-written ring all-reduce and compression hooks, against dist.all_reduce and exact sums.
+"""The transports: the hand-written ring and bf16/fp16 casts against dist.all_reduce and exact
+sums, and each of them inside the wrapper against official DDP.
 
 One spawned world per world size runs every multi-process case of this module
 (worlds.run_cases); the tests read their case's results from it.
@@ -16,11 +17,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from ddptrain.cpu.shm import SharedMemoryHook
-from ddptrain.ddp.hooks import CastHook, RingHook, allreduce_hook, make_hook, ring_all_reduce
+from ddptrain.cpu.ring import Ring, ring_all_reduce
+from ddptrain.cpu.shm import SharedMemory
+from ddptrain.ddp.hooks import Cast, make_transport
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import toy_models, worlds
-from support.sums import ATOL, NUMELS, RTOL, backend_sum, needs_shm
+from support.sums import ATOL, NUMELS, RTOL, backend_sum, needs_shm, reduce_with
 
 # A spawned world runs many cases, so its first test waits for all of them: generous bounds
 # (a loaded 2-core machine runs it several times slower) that a hang still reaches.
@@ -44,7 +46,8 @@ CASES_BY_WORLD = {
         "cast_hooks",
         "smooth_hooks",
         "compressed",
-        "ring_hook_error",
+        "names",
+        "ring_error",
         "many_buckets_shm",
         "many_buckets_allreduce",
         "many_buckets_ring",
@@ -55,16 +58,6 @@ CASES_BY_WORLD = {
     3: ["ring_vs_backend", "ring_on_subgroup", "cast_hooks", "smooth_hooks"],
     4: ["ring_vs_backend"],
 }
-
-
-def _run_cases(names: list[str]) -> dict:
-    return worlds.run_cases_in_shared_memory(CASES, names)
-
-
-@pytest.fixture(scope="module")
-def world():
-    """world(ws): every case of CASES_BY_WORLD[ws] from one spawned world, spawned once."""
-    return worlds.spawner(_run_cases, CASES_BY_WORLD, WORLD_TIMEOUT_S)
 
 
 def _case_ring_vs_backend(info) -> dict:
@@ -136,8 +129,8 @@ def _case_cast_hooks(info) -> dict:
         flags = torch.tensor([0.0, 1.0, 0.0, 1.0]) if info.rank == 0 else torch.zeros(4)
         flags[2] = float(info.rank == ws - 1)
         bucket = torch.cat([values, flags])
-        hook = CastHook(dtype)
-        hook(bucket, None).wait()
+        cast = Cast(dtype)
+        reduce_with(cast, bucket)
         exact = backend_sum(values.double())
         magnitude = backend_sum(values.double().abs())
         out[dtype] = {
@@ -145,15 +138,15 @@ def _case_cast_hooks(info) -> dict:
             "bound": magnitude * UNIT_ROUNDOFF[dtype] * (ws + 1),
             "flags": bucket[-4:].tolist(),
         }
-        # Reusing the hook on the same bucket reuses its cast buffer and stays correct.
+        # Reusing the transport on the same bucket reuses its cast buffer and stays correct.
         again = torch.full((5,), 0.5)
-        hook(again, None).wait()
+        reduce_with(cast, again)
         out[dtype]["again"] = again.tolist()
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_cast_hooks_within_wire_precision_and_keep_used_flags(world, world_size):
+def test_cast_transports_within_wire_precision_and_keep_used_flags(world, world_size):
     """bf16/fp16 sums are within (ws+1) unit roundoffs of the exact sum; 0/1 flags survive."""
     for rank, r in enumerate(worlds.outcome(world(world_size), "cast_hooks")):
         for dtype, d in r.items():
@@ -164,14 +157,14 @@ def test_cast_hooks_within_wire_precision_and_keep_used_flags(world, world_size)
 
 
 def _train(model_name: str, comm_hook_name: str, steps: int) -> dict:
-    """Losses and final weights of `steps` SGD steps with the named hook (or None: default)."""
+    """Losses and final weights of `steps` SGD steps with the named transport (None: default)."""
     torch.manual_seed(3)
     base = toy_models.make(model_name)
     if comm_hook_name == "shm-bf16":
-        hook = CastHook(torch.bfloat16, SharedMemoryHook(min_bytes=0))
+        transport = Cast(torch.bfloat16, SharedMemory(min_bytes=0))
     else:
-        hook = make_hook(comm_hook_name) if comm_hook_name else None
-    model = DistributedDataParallel(base, comm_hook=hook)
+        transport = make_transport(comm_hook_name) if comm_hook_name else None
+    model = DistributedDataParallel(base, comm_hook=transport)
     rank = dist.get_rank()
     losses = []
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -204,8 +197,8 @@ def _case_compressed_hooks(info) -> dict:
 
 @pytest.mark.parametrize("hook_name", SMOOTH_HOOKS)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ring_hook_in_the_wrapper_matches_default(world, world_size, hook_name):
-    """The ring hook trains a tanh MLP like the default hook: bitwise at ws 2 (fp32), else close."""
+def test_ring_transport_in_the_wrapper_matches_default(world, world_size, hook_name):
+    """The ring trains a tanh MLP like the default transport: bitwise at ws 2 (fp32), else close."""
     results = worlds.outcome(world(world_size), "smooth_hooks")
     for r in results:
         got, reference = r[hook_name]["params"], r[None]["params"]
@@ -235,26 +228,37 @@ def test_compressed_training_tracks_exact_training(world, hook_name):
         assert torch.equal(r["params"], results[0]["params"])
 
 
-def test_make_hook_names_and_errors():
-    """'allreduce' is the backend's all_reduce; an unknown name lists the valid ones."""
-    assert make_hook("allreduce") is allreduce_hook
-    assert isinstance(make_hook("allreduce-bf16"), CastHook)
-    with pytest.raises(ValueError, match="ring-bf16"):
-        make_hook("int8")
-
-
-def _case_ring_hook_error(info) -> str:
-    hook = RingHook()
+def _case_names(info) -> dict:
+    built = {name: make_transport(name) for name in ("allreduce-bf16", "ring-fp16")}
     try:
-        hook(torch.zeros(4, 4).t(), None).wait()
+        make_transport("int8")
+    except ValueError as e:
+        unknown = str(e)
+    cast = {name: (type(built[name].inner).__name__, built[name].dtype) for name in built}
+    return {"allreduce": type(make_transport("allreduce")).__name__, **cast, "unknown": unknown}
+
+
+def test_transport_names_and_errors(world):
+    """'allreduce' is the backend's all_reduce, 'x-bf16' casts around x; an unknown name lists
+    the valid ones."""
+    for r in worlds.outcome(world(2), "names"):
+        assert r["allreduce"] == "AllReduce"
+        assert r["allreduce-bf16"] == ("AllReduce", torch.bfloat16)
+        assert r["ring-fp16"] == ("Ring", torch.float16)
+        assert "ring-bf16" in r["unknown"]
+
+
+def _case_ring_error(info) -> str:
+    try:
+        reduce_with(Ring(), torch.zeros(4, 4).t())
     except ValueError as e:
         return str(e)
     return "no error"
 
 
-def test_ring_hook_reraises_worker_errors(world):
-    """An error inside the ring's worker thread surfaces at wait(), on the calling thread."""
-    assert all("contiguous" in m for m in worlds.outcome(world(2), "ring_hook_error"))
+def test_ring_refuses_a_tensor_it_cannot_reduce_in_place(world):
+    """A non-contiguous bucket is a clear error, on every rank."""
+    assert all("contiguous" in m for m in worlds.outcome(world(2), "ring_error"))
 
 
 def _many_buckets(info, hook_name: str) -> dict:
@@ -262,9 +266,9 @@ def _many_buckets(info, hook_name: str) -> dict:
     base = toy_models.make("lenet_nodrop")
     caps = {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001}
     # min_bytes=0: these test buckets are tiny, and the shared-memory path is what is tested.
-    hook = SharedMemoryHook(min_bytes=0) if hook_name == "shm" else make_hook(hook_name)
+    transport = SharedMemory(min_bytes=0) if hook_name == "shm" else make_transport(hook_name)
     models = {
-        "hook": DistributedDataParallel(copy.deepcopy(base), comm_hook=hook, **caps),
+        "hook": DistributedDataParallel(copy.deepcopy(base), comm_hook=transport, **caps),
         "torch": TorchDDP(copy.deepcopy(base)),
     }
     for model in models.values():
@@ -289,8 +293,8 @@ def _many_buckets(info, hook_name: str) -> dict:
 @pytest.mark.parametrize(
     "hook_name", [pytest.param("shm", marks=needs_shm), "allreduce", "ring", "tcp"]
 )
-def test_hooks_with_many_buckets_and_no_sync_equal_official_ddp(world, hook_name):
-    """Many small buckets, no_sync accumulation: shm, backend, ring, tcp hooks equal torch DDP."""
+def test_transports_with_many_buckets_and_no_sync_equal_official_ddp(world, hook_name):
+    """Many small buckets, no_sync accumulation: shm, backend, ring, tcp equal torch DDP."""
     for r in worlds.outcome(world(2), f"many_buckets_{hook_name}"):
         assert r["n_buckets"] > 3
         assert r["equal"]
@@ -299,7 +303,7 @@ def test_hooks_with_many_buckets_and_no_sync_equal_official_ddp(world, hook_name
 def _narrowed_gradients(info, hook_name: str) -> bool:
     torch.manual_seed(0)
     base = torch.nn.Linear(300, 300)  # 90k weights: more than one cast piece
-    model = DistributedDataParallel(copy.deepcopy(base), comm_hook=make_hook(hook_name))
+    model = DistributedDataParallel(copy.deepcopy(base), comm_hook=hook_name)
     inputs = [torch.randn(4, 300, generator=torch.Generator().manual_seed(r)) for r in range(2)]
     model(inputs[info.rank]).pow(2).sum().backward()
     dtype = torch.bfloat16 if "bf16" in hook_name else torch.float16
@@ -324,7 +328,8 @@ CASES = {
     "cast_hooks": _case_cast_hooks,
     "smooth_hooks": _case_smooth_hooks,
     "compressed": _case_compressed_hooks,
-    "ring_hook_error": _case_ring_hook_error,
+    "names": _case_names,
+    "ring_error": _case_ring_error,
     **{
         f"many_buckets_{h}": functools.partial(_many_buckets, hook_name=h)
         for h in ("shm", "allreduce", "ring", "tcp")
@@ -334,3 +339,8 @@ CASES = {
         for h in ("allreduce-bf16", "allreduce-fp16")
     },
 }
+
+
+world = worlds.fixture(
+    CASES, CASES_BY_WORLD, timeout_s=WORLD_TIMEOUT_S, setup=worlds.share_small_buckets
+)

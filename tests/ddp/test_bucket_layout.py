@@ -4,7 +4,7 @@ functions, no processes)."""
 import pytest
 import torch
 
-from ddptrain.ddp.layout import (
+from ddptrain.ddp.buckets import (
     CAST_CHUNK,
     build_layout,
     fill_slot,
@@ -22,12 +22,13 @@ def _bf16(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros(numel, dtype=torch.bfloat16, device=device)
 
 
-def test_build_layout_gives_each_parameter_one_slot_and_flags_after_the_last_bucket():
-    """Slots tile the buckets in launch order, without overlap; the flags are the tail."""
+def test_build_layout_gives_each_parameter_one_slot_and_flags_after_the_last_bucket_if_asked():
+    """Slots tile the buckets in launch order, without overlap; the flags, when asked for, are
+    the tail."""
     params = [torch.empty(300), torch.empty(4, 5, 3, 3).to(memory_format=torch.channels_last)]
     params.append(torch.empty(1000))
     # 1.2 KB closes the first bucket after parameter 2; 0 and 1 share the second.
-    layout = build_layout(params, [2, 1, 0], 10**6, 1200, _zeros, as_view=True)
+    layout = build_layout(params, [2, 1, 0], 10**6, 1200, _zeros, as_view=True, flags=True)
     assert layout.order == [2, 1, 0]
     assert layout.members == [[2], [1, 0]] and layout.lens == [1, 2]
     assert layout.bucket_of == [1, 1, 0]
@@ -40,13 +41,17 @@ def test_build_layout_gives_each_parameter_one_slot_and_flags_after_the_last_buc
     assert layout.used_flags.data_ptr() == second[480:].data_ptr()
     assert layout.used_flags.numel() == 3
     assert layout.grad_is_view == [True, True, True]
+    plain = build_layout(params, [2, 1, 0], 10**6, 1200, _zeros, as_view=True, flags=False)
+    assert [f.numel() for f in plain.flats] == [1000, 180 + 300] and plain.used_flags is None
 
 
 def test_build_layout_makes_gradients_copies_where_the_bucket_dtype_differs():
     """A bucket in a narrower wire dtype (bf16), or as_view=False, never holds .grad itself."""
     params = [torch.empty(8), torch.empty(8)]
-    assert build_layout(params, [1, 0], 10**6, 10**6, _bf16, True).grad_is_view == [False] * 2
-    assert build_layout(params, [1, 0], 10**6, 10**6, _zeros, False).grad_is_view == [False] * 2
+    assert build_layout(params, [1, 0], 10**6, 10**6, _bf16, True, True).grad_is_view == [False] * 2
+    assert (
+        build_layout(params, [1, 0], 10**6, 10**6, _zeros, False, True).grad_is_view == [False] * 2
+    )
 
 
 def test_fill_slot_scales_copies_zeroes_and_corrects_every_case():
