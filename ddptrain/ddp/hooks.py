@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.ddp.groups import close_at_shutdown, new_group_like, release_group
+from ddptrain.ddp.groups import close_at_shutdown, new_group_like, release_group, resolve
 
 # torch's contract: hook(state, bucket) -> Future holding the bucket's averaged gradients.
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
@@ -239,6 +239,26 @@ def default_transport(process_group: Any = None, on_cpu: bool = True) -> Transpo
         if chosen is not None:
             return chosen
     return AllReduce(process_group)
+
+
+def refuse_shared_group(module: nn.Module, state: object) -> None:
+    """Refuse a torch hook whose state names the group a submodule (SyncBatchNorm) runs
+    collectives on in backward: the hook's run on the communication thread, the module's on
+    autograd's, so on one group they would pair wrongly across ranks."""
+    if state is None or isinstance(state, dist.ProcessGroup):
+        group = resolve(state)
+    elif hasattr(state, "process_group"):  # torch's PowerSGDState, for one
+        group = resolve(state.process_group)
+    else:
+        return  # a state of the hook's own: its business
+    for name, m in module.named_modules():
+        if hasattr(m, "process_group") and resolve(m.process_group) == group:
+            raise ValueError(
+                f"the comm hook reduces on the process group that '{name}' "
+                f"({type(m).__name__}) runs collectives on in backward; give one of them a "
+                "group of its own: convert_sync_batchnorm(model, dist.new_group()) or "
+                "register_comm_hook(dist.new_group(), hook)"
+            )
 
 
 def module_on_cpu(module: nn.Module) -> bool:

@@ -83,7 +83,7 @@ def _one_step(model_name: str, rank: int, channels_last: bool = False, **options
             (
                 p.dim() == 4 and not p.is_contiguous(),
                 p.grad.stride() == p.stride(),
-                any(_inside(p.grad, bucket) for bucket in ours._buckets),
+                any(_inside(p.grad, b.buffer()) for b in ours.reducer.grad_buckets),
             )
             for p in ours.module.parameters()
         ],

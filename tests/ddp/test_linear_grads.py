@@ -104,17 +104,25 @@ def _pair(rank: int, loss_fn=_ce, shape=(6,), factory=_mlp, **options) -> dict:
     }
 
 
+def _wrap(module: torch.nn.Module, slots_on: bool) -> DistributedDataParallel:
+    """The wrapper, with Linear gradients in their slots or (slots_on=False) copied there."""
+    routed = linear_grads.SLOT_MIN_BYTES
+    linear_grads.SLOT_MIN_BYTES = routed if slots_on else float("inf")
+    try:
+        return DistributedDataParallel(module)
+    finally:
+        linear_grads.SLOT_MIN_BYTES = routed
+
+
 def _case_in_slots(info) -> dict:
     out = {}
     for name, slots_on in (("slots", True), ("copy_path", False)):
-        model = DistributedDataParallel(_mlp())
-        if not slots_on:
-            model._linear_slots = None
+        model = _wrap(_mlp(), slots_on)
         _train(model, info.rank, _ce, steps=1)  # buckets rebuilt in ready order after this
         model.zero_grad(set_to_none=True)
         x, y = _batch(5, info.rank)
         loss = _ce(model, x, y)
-        with _Outputs(model._buckets) as seen:
+        with _Outputs([b.buffer() for b in model.reducer.grad_buckets]) as seen:
             loss.backward()
         out[name] = {
             "private_weight_sized": _private_weight_sized(model, seen.seen),
@@ -230,9 +238,7 @@ def _case_third(info) -> dict:
     results = []
     for slots_on in (True, False):
         # Wide enough that a GEMM scaled by alpha=1/3 rounds differently from mm, then * (1/3).
-        model = DistributedDataParallel(_mlp(width=300))
-        if not slots_on:
-            model._linear_slots = None
+        model = _wrap(_mlp(width=300), slots_on)
         results.append(_train(model, info.rank, _ce))
     pairs = [(a, b) for sa, sb in zip(*results, strict=True) for a, b in zip(sa, sb, strict=True)]
     return {"bitwise": all(torch.equal(a, b) for a, b in pairs)}
