@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddptrain.ddp.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB
+
 
 @dataclass(frozen=True)
 class Options:
@@ -29,6 +31,7 @@ class Options:
     device_ids: list[int] | None
     input_device: torch.device | None  # where forward moves the inputs (device_ids[0])
     bucket_cap_mb: float
+    first_bucket_cap_mb: float
     broadcast_buffers: bool
     init_sync: bool
 
@@ -48,7 +51,7 @@ def torch_options(
     device_mesh: Any,
     bucket_cap_mb_list: Any,
     forward_sync_buffers: bool | None,
-    default_bucket_cap_mb: float,
+    first_bucket_cap_mb: float | None,
 ) -> Options:
     """Check torch's arguments as torch does and keep what applies."""
     refused = {
@@ -100,10 +103,20 @@ def torch_options(
         process_group=process_group,
         device_ids=kept_ids,
         input_device=torch.device("cuda", kept_ids[0]) if kept_ids else None,
-        bucket_cap_mb=default_bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb,
+        bucket_cap_mb=DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
+        first_bucket_cap_mb=_first_cap_mb(bucket_cap_mb, first_bucket_cap_mb),
         broadcast_buffers=True if sync_buffers is None else bool(sync_buffers),
         init_sync=init_sync,
     )
+
+
+def _first_cap_mb(bucket_cap_mb: float | None, first_bucket_cap_mb: float | None) -> float:
+    """The first bucket's cap: as given; else, as torch does, a small first bucket with the
+    default caps (so communication starts early in backward) and bucket_cap_mb when that is
+    given."""
+    if first_bucket_cap_mb is not None:
+        return first_bucket_cap_mb
+    return DEFAULT_FIRST_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
 
 
 def move_inputs(args: tuple, kwargs: dict, device: torch.device | None) -> tuple[tuple, dict]:

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
 from ddptrain.ddp import compat
-from ddptrain.ddp.buckets import DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB, mb_to_bytes
+from ddptrain.ddp.buckets import mb_to_bytes
 from ddptrain.ddp.buffers import ModelBuffers
 from ddptrain.ddp.groups import resolve
 from ddptrain.ddp.hooks import (
@@ -96,7 +96,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
         *,
-        first_bucket_cap_mb: float = DEFAULT_FIRST_BUCKET_CAP_MB,
+        first_bucket_cap_mb: float | None = None,
         comm_hook: Transport | str | None = None,
         rebuild_buckets: bool = True,
     ) -> None:
@@ -121,7 +121,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             device_mesh=device_mesh,
             bucket_cap_mb_list=bucket_cap_mb_list,
             forward_sync_buffers=forward_sync_buffers,
-            default_bucket_cap_mb=DEFAULT_BUCKET_CAP_MB,
+            first_bucket_cap_mb=first_bucket_cap_mb,
         )
         self.module = module
         self.device_ids = options.device_ids
@@ -151,7 +151,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.process_group,
             self._model_buffers,
             mb_to_bytes(options.bucket_cap_mb),
-            mb_to_bytes(first_bucket_cap_mb),
+            mb_to_bytes(options.first_bucket_cap_mb),
             gradient_as_bucket_view,
             rebuild_buckets,
         )

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ddptrain.data import ShardedSampler
 from ddptrain.data.loader import batch_loader
+from ddptrain.ddp.buckets import DEFAULT_FIRST_BUCKET_CAP_MB
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import DistInfo
 from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
@@ -55,7 +56,13 @@ def wrap_model(cfg: TrainerConfig, module: nn.Module) -> DistributedDataParallel
     """The wrapper the config asks for (SyncBatchNorm converted first)."""
     if cfg.sync_batchnorm:
         module = convert_sync_batchnorm(module)
-    return DistributedDataParallel(module, bucket_cap_mb=cfg.bucket_cap_mb, comm_hook=cfg.comm_hook)
+    return DistributedDataParallel(
+        module,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        # A small first bucket starts communication early in backward, whatever the cap.
+        first_bucket_cap_mb=min(DEFAULT_FIRST_BUCKET_CAP_MB, cfg.bucket_cap_mb),
+        comm_hook=cfg.comm_hook,
+    )
 
 
 def sampler(cfg: TrainerConfig, num_samples: int) -> ShardedSampler:

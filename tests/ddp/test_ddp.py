@@ -24,7 +24,9 @@ WORLD_TIMEOUT_S = 540
 pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
 
 STEPS = 10
-MODELS = ["lenet", "batchnorm", "tied", "branch", "frozen", "no_sync"]
+# "no_sync": LeNet accumulating over MICRO_STEPS; "no_sync_branch": the branch net whose branch
+# runs only in the first micro-step, under no_sync(): its gradient must still be averaged.
+MODELS = ["lenet", "batchnorm", "tied", "branch", "frozen", "no_sync", "no_sync_branch"]
 MICRO_STEPS = 3
 # float32 machine epsilon (one ulp of 1.0): the tolerances below are counted in ulps of the
 # gradient's magnitude, so they scale with the values and hold on any CPU.
@@ -58,24 +60,29 @@ def _flat_grads(module: torch.nn.Module, names: list[str]) -> torch.Tensor:
     return torch.cat([g.detach().reshape(-1).double() for g in grads])
 
 
-def _backward(model, name: str, micro: int, step: int, rank: int, local_only: bool) -> None:
+def _backward(model, case: str, micro: int, step: int, rank: int, local_only: bool) -> None:
     """One optimizer step's backward(s); the last micro-step syncs (unless local_only)."""
+    name = {"no_sync": "lenet", "no_sync_branch": "branch"}.get(case, case)
     for m in range(micro):
         x, y = toy_models.batch(name, step * micro + m, rank)
         torch.manual_seed(100 * step + 10 * m + rank)  # the same dropout masks for every model
         sync = nullcontext() if local_only or m == micro - 1 else model.no_sync()
         with sync:
-            toy_models.loss_of(name, model, x, y, rank).backward()
+            if case == "no_sync_branch":
+                loss = F.nll_loss(model(x, use_branch=m == 0), y)
+            else:
+                loss = toy_models.loss_of(name, model, x, y, rank)
+            loss.backward()
 
 
 def _wrap_both(case: str, rank: int):
-    name = "lenet" if case == "no_sync" else case
+    name = {"no_sync": "lenet", "no_sync_branch": "branch"}.get(case, case)
     torch.manual_seed(1234 + rank)  # each rank starts from different weights
     base = toy_models.make(name)
     ours = DistributedDataParallel(copy.deepcopy(base))
     theirs = TorchDDP(copy.deepcopy(base), find_unused_parameters=name == "branch")
-    micro = MICRO_STEPS if case == "no_sync" else 1
-    return name, base, ours, theirs, micro
+    micro = MICRO_STEPS if case.startswith("no_sync") else 1
+    return case, base, ours, theirs, micro
 
 
 def _buffers_as_official(ours, theirs, rank: int) -> bool:
@@ -274,6 +281,10 @@ def test_unused_parameters_keep_grad_none(world, world_size):
         # The branch runs on odd ranks only: with one rank it is unused everywhere.
         assert ("branch.weight" in branch["grad_none_ours"]) == (world_size == 1)
         assert r["frozen"]["grad_none_ours"] == ["frozen.bias", "frozen.weight"]
+        # Used only in a no_sync() micro-step: averaged like any other, never left None.
+        no_sync_branch = r["no_sync_branch"]
+        assert no_sync_branch["grad_none_ours"] == no_sync_branch["grad_none_theirs"]
+        assert "branch.weight" not in no_sync_branch["grad_none_ours"]
 
 
 def _case_no_sync_semantics(info) -> bool:

@@ -1,0 +1,303 @@
+"""Programs written for torch's DDP run on ddptrain's with the import swapped, and end equal.
+
+Each program below takes the wrapper class as its only difference (`DDP`), as a user swapping
+`from torch.nn.parallel import DistributedDataParallel as DDP` for `from ddptrain import DDP`
+would; torch's comm hooks, torch's Join and torch's ZeroRedundancyOptimizer run unchanged. One
+spawned world of 2 ranks runs them all (worlds.fixture).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import tempfile
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import ddptrain
+from support import worlds
+
+WORLD_SIZE = 2
+STEPS = 8
+
+
+class ToyModel(nn.Module):
+    """The DDP tutorial's model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+    )
+
+
+def _batch(rank: int, step: int, features: int = 32, classes: int = 10):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, features, generator=g), torch.randint(0, classes, (16,), generator=g)
+
+
+def _params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# ------------------------------------------------------------------------------ programs
+def tutorial_basic(DDP, rank: int) -> torch.Tensor:  # noqa: N803 - the class, as users name it
+    """pytorch.org's DDP tutorial, demo_basic, on CPU: MSE loss, SGD (with static_graph)."""
+    torch.manual_seed(rank)  # each rank its own weights: DDP must start from rank 0's
+    model = ToyModel()
+    ddp_model = DDP(model, static_graph=True)
+    loss_fn = nn.MSELoss()
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.001)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        outputs = ddp_model(torch.randn(20, 10, generator=torch.Generator().manual_seed(step)))
+        labels = torch.randn(20, 5, generator=torch.Generator().manual_seed(step + rank))
+        loss_fn(outputs, labels).backward()
+        optimizer.step()
+    return _params(ddp_model)
+
+
+def tutorial_checkpoint(DDP, rank: int) -> torch.Tensor:  # noqa: N803
+    """The tutorial's demo_checkpoint: rank 0 saves ddp_model.state_dict(), all load it."""
+    torch.manual_seed(rank)
+    ddp_model = DDP(ToyModel())
+    path = os.path.join(tempfile.gettempdir(), f"ddptrain-tutorial-{os.getppid()}.pt")
+    if rank == 0:
+        torch.save(ddp_model.state_dict(), path)
+    dist.barrier()
+    ddp_model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.001)
+    x, y = _batch(rank, 0, 10, 5)
+    F.cross_entropy(ddp_model(x), y).backward()
+    optimizer.step()
+    dist.barrier()
+    if rank == 0:
+        os.remove(path)
+    return _params(ddp_model)
+
+
+def positional_arguments(DDP, rank: int) -> torch.Tensor:  # noqa: N803
+    """torch's arguments given positionally: device_ids, output_device, dim, broadcast_buffers,
+    init_sync, process_group, bucket_cap_mb, find_unused_parameters (a branch left unused)."""
+    model = _mlp()
+    ddp_model = DDP(model, None, None, 0, True, True, None, 0.001, True)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        optimizer.zero_grad()
+        F.cross_entropy(ddp_model(x), y).backward()
+        optimizer.step()
+    return _params(ddp_model)
+
+
+def accumulate_with_no_sync(DDP, rank: int) -> torch.Tensor:  # noqa: N803
+    """Gradient accumulation over 3 micro-batches with no_sync()."""
+    ddp_model = DDP(_mlp(), bucket_cap_mb=0.002)
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for micro in range(3):
+            x, y = _batch(rank, 3 * step + micro)
+            with ddp_model.no_sync() if micro < 2 else nullcontext():
+                F.cross_entropy(ddp_model(x), y).backward()
+        optimizer.step()
+    return _params(ddp_model)
+
+
+def _hooked(DDP, rank: int, make_hook, bucket_cap_mb: float) -> torch.Tensor:  # noqa: N803
+    ddp_model = DDP(_mlp(), bucket_cap_mb=bucket_cap_mb)
+    ddp_model.register_comm_hook(*make_hook())
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        F.cross_entropy(ddp_model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return _params(ddp_model)
+
+
+def _allreduce():
+    return None, default_hooks.allreduce_hook
+
+
+def _fp16():
+    return None, default_hooks.fp16_compress_hook
+
+
+def _powersgd():
+    # Error feedback and warm start on (torch's defaults); plain all_reduce for 3 iterations.
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=3
+    )
+    return state, powerSGD_hook.powerSGD_hook
+
+
+def uneven_with_join(DDP, rank: int) -> torch.Tensor:  # noqa: N803
+    """The join tutorial: model.join() with rank 1 holding 3 more batches."""
+    ddp_model = DDP(_mlp())
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.05)
+    with ddp_model.join():
+        for step in range(5 + 3 * rank):
+            x, y = _batch(rank, step)
+            optimizer.zero_grad()
+            F.cross_entropy(ddp_model(x), y).backward()
+            optimizer.step()
+    return _params(ddp_model)
+
+
+PROGRAMS = {
+    "tutorial_basic": tutorial_basic,
+    "tutorial_checkpoint": tutorial_checkpoint,
+    "positional_arguments": positional_arguments,
+    "accumulate_with_no_sync": accumulate_with_no_sync,
+    "allreduce_hook": functools.partial(_hooked, make_hook=_allreduce, bucket_cap_mb=0.002),
+    "fp16_compress_hook": functools.partial(_hooked, make_hook=_fp16, bucket_cap_mb=0.002),
+    # One bucket: official DDP's PowerSGD crashes on gloo with several (see below).
+    "powerSGD_hook": functools.partial(_hooked, make_hook=_powersgd, bucket_cap_mb=25),
+    "uneven_with_join": uneven_with_join,
+}
+
+
+def _case_programs(info) -> dict:
+    out = {}
+    for name, program in PROGRAMS.items():
+        ours, theirs = program(ddptrain.DDP, info.rank), program(TorchDDP, info.rank)
+        out[name] = {"bitwise": torch.equal(ours, theirs), "ours": ours}
+    return out
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_a_torch_ddp_program_ends_bitwise_equal_with_ddptrain(world, name):
+    """The same program with torch's DDP and with ddptrain's ends with the same bits, and
+    every rank holds the same parameters."""
+    results = worlds.outcome(world(WORLD_SIZE), "programs")
+    for r in results:
+        assert r[name]["bitwise"], name
+        assert torch.equal(r[name]["ours"], results[0][name]["ours"])
+
+
+# ------------------------------------------------------------------------------ beyond torch
+def _case_powersgd_many_buckets(info) -> dict:
+    """torch's PowerSGD over several buckets: official DDP's callbacks issue all_reduces
+    concurrently on gloo (an abort); ddptrain runs buckets one at a time."""
+    make = functools.partial(_hooked, ddptrain.DDP, info.rank, _powersgd)
+    many = make(bucket_cap_mb=0.002)
+    model = ddptrain.DDP(_mlp(), bucket_cap_mb=0.002)
+    return {"params": many, "buckets": len(model.bucket_sizes_bytes)}
+
+
+def test_powersgd_runs_over_many_buckets(world):
+    """PowerSGD with several buckets trains on gloo, replicas bitwise equal."""
+    results = worlds.outcome(world(WORLD_SIZE), "powersgd_many_buckets")
+    assert results[0]["buckets"] > 2
+    for r in results:
+        assert bool(torch.isfinite(r["params"]).all())
+        assert torch.equal(r["params"], results[0]["params"])
+
+
+def _zero_run(rank: int, batches: int, make_optimizer, join: bool, pad_to: int = 0):
+    model = ddptrain.DDP(_mlp())
+    optimizer = make_optimizer(model.parameters())
+    with Join([model, optimizer]) if join else nullcontext():
+        for step in range(max(batches, pad_to)):
+            x, y = _batch(rank, step)
+            loss = F.cross_entropy(model(x), y)
+            (loss if step < batches else loss * 0).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return _params(model)
+
+
+def _case_join_with_zero(info) -> dict:
+    """Join([model, optimizer]) with ZeRO (ddptrain's and torch's): a joined rank keeps
+    stepping its shard with the others' mean, as if it added zero gradients."""
+    # Imported here: importing torch.distributed.optim warns that torch.jit.script is deprecated.
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    batches = [4, 7][info.rank]
+    ours = functools.partial(ddptrain.ZeroRedundancyOptimizer, optimizer_class=torch.optim.AdamW)
+    torchs = functools.partial(TorchZero, optimizer_class=torch.optim.AdamW)
+    return {
+        "ours": _zero_run(info.rank, batches, ours, join=True),
+        "torch_zero": _zero_run(info.rank, batches, torchs, join=True),
+        "padded": _zero_run(info.rank, batches, ours, join=False, pad_to=7),
+    }
+
+
+def test_join_with_zero_optimizers_equals_zero_gradient_steps(world):
+    """torch's Join([model, ZeroRedundancyOptimizer]) on ddptrain's wrapper, with ddptrain's
+    ZeRO or torch's: bitwise the run where the short rank steps on zero gradients."""
+    for r in worlds.outcome(world(WORLD_SIZE), "join_with_zero"):
+        assert torch.equal(r["ours"], r["padded"])
+        assert torch.equal(r["torch_zero"], r["padded"])
+
+
+# ------------------------------------------------------------------------------ refusals
+def _raised(call) -> str:
+    try:
+        call()
+    except (ValueError, RuntimeError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _case_refusals(info) -> dict:
+    model = nn.Linear(4, 4)
+    registered = ddptrain.DDP(copy.deepcopy(model))
+    registered.register_comm_hook(None, default_hooks.allreduce_hook)
+    late = ddptrain.DDP(copy.deepcopy(model))
+    late(torch.randn(2, 4)).sum().backward()
+    out = {}
+    for label, call in {
+        "device_ids on CPU": lambda w: w(copy.deepcopy(model), device_ids=[0]),
+        "two device_ids": lambda w: w(copy.deepcopy(model), device_ids=[0, 1]),
+    }.items():
+        out[label] = (_raised(lambda c=call: c(ddptrain.DDP)), _raised(lambda c=call: c(TorchDDP)))
+    out["hook twice"] = _raised(
+        lambda: registered.register_comm_hook(None, default_hooks.allreduce_hook)
+    )
+    out["hook after backward"] = _raised(
+        lambda: late.register_comm_hook(None, default_hooks.allreduce_hook)
+    )
+    out["mixed_precision"] = _raised(lambda: ddptrain.DDP(model, mixed_precision=object()))
+    return out
+
+
+def test_torch_arguments_err_as_torch_does(world):
+    """GPU ids for a CPU module: torch's own error; a second or late hook, mixed_precision:
+    one clear line each."""
+    for r in worlds.outcome(world(WORLD_SIZE), "refusals"):
+        for label in ("device_ids on CPU", "two device_ids"):
+            ours, theirs = r[label]
+            assert ours == theirs and ours != "no error", (label, ours, theirs)
+        assert "can only be called once" in r["hook twice"]
+        assert "before the first synchronized backward" in r["hook after backward"]
+        assert "mixed_precision is not supported" in r["mixed_precision"]
+
+
+CASES = {
+    "programs": _case_programs,
+    "powersgd_many_buckets": _case_powersgd_many_buckets,
+    "join_with_zero": _case_join_with_zero,
+    "refusals": _case_refusals,
+}
+world = worlds.fixture(CASES, {WORLD_SIZE: list(CASES)}, timeout_s=300)
