@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ddptrain.data import ShardedSampler
 from ddptrain.data.loader import batch_loader
@@ -23,7 +23,6 @@ from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import DistInfo
 from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
 from ddptrain.optim.zero import ZeroRedundancyOptimizer
-from ddptrain.train import uneven
 from ddptrain.train.config import ConfigError, TrainerConfig
 
 
@@ -37,7 +36,7 @@ def check_datasets(
             f"best_metric={cfg.best_metric!r} needs an evaluation, but build_datasets() "
             "returned no eval set; return (train_set, eval_set), or set best_metric=None"
         )
-    if uneven.is_uneven(train_set):
+    if isinstance(train_set, IterableDataset):  # each rank's own part: no length to check
         return train_set, eval_set
     if len(train_set) == 0:
         raise ValueError(

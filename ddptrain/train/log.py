@@ -6,7 +6,7 @@ log.write({"step": 10, "loss": 0.31})
 log = open_logs(("jsonl", "tensorboard"), "runs/mnist")   # both, the same records
 window = LossWindow(device)            # every rank: window.add(loss, samples) each step, and
 window.times.add("comm_s", 0.002)      # the step's time split (ddptrain.train.timing), then
-mean_loss, samples_per_s, split = window.report(steps)   # at a log step (a collective)
+mean_loss, samples_per_s, split = window.report()   # at a log step (a collective)
 # read back: [json.loads(line) for line in open("runs/mnist/metrics.jsonl")]
 # tensorboard --logdir runs    (needs the tensorboard package: pip install 'ddptrain[tensorboard]')
 """
@@ -180,13 +180,15 @@ class LossWindow:
 
     def __init__(self, device: torch.device) -> None:
         self.loss = torch.zeros((), device=device)
+        self.steps = 0
         self.samples = 0
         self.start = time.perf_counter()
         self.times = StepTimes()
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
-        """Add one optimizer step's summed local loss and its global sample count."""
+        """Add one optimizer step's summed local loss and this rank's sample count."""
         self.loss += loss
+        self.steps += 1
         self.samples += samples
 
     @contextlib.contextmanager
@@ -198,21 +200,24 @@ class LossWindow:
         finally:
             self.start += time.perf_counter() - began
 
-    def report(self, steps: int) -> tuple[float, float, dict[str, float]]:
-        """Return (mean loss over ranks and `steps`, samples per second, time split averaged over
-        ranks and steps) and start a new window; one all_reduce."""
-        sums = torch.cat([self.loss.detach().reshape(1).double(), self._times_tensor()])
+    def report(self) -> tuple[float, float, dict[str, float]]:
+        """Collective (one all_reduce): (mean loss per step over every rank's steps, samples
+        per second over every rank, time split per step); then a new window starts. Ranks may
+        have taken different numbers of steps (uneven data)."""
+        counts = torch.tensor(
+            [self.steps, self.samples, *self.times.values()],
+            dtype=torch.float64,
+            device=self.loss.device,
+        )
+        sums = torch.cat([self.loss.detach().reshape(1).double(), counts])
         if dist.get_world_size() > 1:
             dist.all_reduce(sums)
-        means = (sums / dist.get_world_size()).tolist()
-        samples_per_s = self.samples / max(time.perf_counter() - self.start, 1e-9)
-        self.start, self.samples = time.perf_counter(), 0
+        loss, steps, samples, *times = sums.tolist()
+        samples_per_s = samples / max(time.perf_counter() - self.start, 1e-9)
+        self.start, self.steps, self.samples = time.perf_counter(), 0, 0
         self.loss.zero_()
         self.times.reset()
-        return means[0] / steps, samples_per_s, split_record(means[1:], steps)
-
-    def _times_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.times.values(), dtype=torch.float64, device=self.loss.device)
+        return loss / max(steps, 1), samples_per_s, split_record(times, int(steps))
 
 
 @dataclass
@@ -255,7 +260,7 @@ def describe_run(
     the optimizer steps its epochs make (build.epoch_steps), to tell when max_steps cuts in."""
     buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
     per_rank = cfg.micro_global_batch_size // info.world_size
-    # No sampler: each rank reads its own part of an IterableDataset (train/uneven.py).
+    # No sampler: each rank reads its own part of an IterableDataset (train/epochs.py).
     # `is not None`: a sampler resumed at an epoch's end has no batches left, so len() is 0.
     batches = sampler.batches_per_epoch if sampler is not None else None
     epoch = f"{batches} micro-batches" if batches is not None else "uneven per-rank parts"

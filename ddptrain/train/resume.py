@@ -91,7 +91,7 @@ def apply_resume_state(
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler") is not None:
         scaler.load_state_dict(state["scaler"])
-    if sampler is not None:  # None: per-rank parts of an IterableDataset (train/uneven.py)
+    if sampler is not None:  # None: per-rank parts of an IterableDataset (train/epochs.py)
         sampler.load_state_dict(state["sampler"])
     step, epoch = int(state["step"]), int(state["epoch"])
     rng = state.get("rng") or []

@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from ddptrain import profiling
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
-from ddptrain.train import build, health, resume, uneven
+from ddptrain.train import build, health, resume
 from ddptrain.train.config import TrainerConfig
+from ddptrain.train.epochs import make_epochs
 from ddptrain.train.evaluation import evaluate, move_to
 from ddptrain.train.health import Heartbeat, NonFiniteError
 from ddptrain.train.log import (
@@ -117,21 +117,16 @@ class Trainer:
         # 1. Init: one seed everywhere, so every rank builds the same model and data order.
         cfg.check_world_size(info.world_size)
         torch.manual_seed(cfg.seed)
-        # 2. Data.
+        # 2. Data: even epochs (a map-style dataset), or each rank's own part (IterableDataset).
         train_set, eval_set = build.check_datasets(cfg, *self.build_datasets())
+        self.epochs = make_epochs(cfg, info, train_set)
+        self.sampler = self.epochs.sampler
+        self.total_steps = self.epochs.total_steps
         # 3. Model; on resume rank 0 loads the checkpoint's weights into it here.
         module = self.build_model().to(info.device)
         resume_state = self._read_checkpoint(module)
         # 4. Wrap: rank 0's weights reach every rank.
         self.model = build.wrap_model(cfg, module)
-        # Per-rank parts of different lengths (an IterableDataset) train under model.join().
-        if uneven.is_uneven(train_set):
-            uneven.check_supported(cfg)
-            self.sampler = None
-            self.total_steps = uneven.total_steps(self, train_set)
-        else:
-            self.sampler = build.sampler(cfg, len(train_set))
-            self.total_steps = build.total_steps(cfg, self.sampler)
         # 5. Optimizer (after total_steps, which schedules read).
         self.optimizer, self.scheduler = build.optimizer(cfg, self.configure_optimizers(module))
         build.check_plateau(self.scheduler, eval_set)
@@ -143,16 +138,12 @@ class Trainer:
             self.step, self.epoch = resume.apply_resume_state(
                 resume_state, cfg, info, self.optimizer, self.scheduler, self.scaler, self.sampler
             )
-        if self.sampler is None:
-            loader = uneven.build_loader(self, train_set)
-        else:
-            loader = build.loader(cfg, info, self.sampler, train_set)
         resumed = resume_state is not None
         self._announce(resumed)
         # 7. Loop, then 8. a final evaluation and save.
         self._open_logs(resumed)
         try:
-            self._train(loader, eval_set)
+            self._train(eval_set)
             self._finish(eval_set)
         finally:
             self._close_logs()
@@ -165,43 +156,51 @@ class Trainer:
         return resume.read_resume_state(self.config, self.info, module)
 
     # ----------------------------------------------------------------------- the loop
-    def _train(self, loader: DataLoader, eval_set: Dataset | None) -> None:
-        if self.sampler is None:
-            return uneven.train(self, loader, eval_set)
-        while self.step < self.total_steps:
-            self.sampler.set_epoch(self.epoch)
-            batches = iter(loader)
-            while self.sampler.num_batches > 0 and self.step < self.total_steps:
-                self._step(batches, eval_set)
-            if self.sampler.num_batches == 0:
-                self.epoch += 1
+    def _train(self, eval_set: Dataset | None) -> None:
+        """Epoch after epoch, step after step. Ranks in lockstep (even epochs) meet after any
+        step for periodic work; ranks of uneven epochs meet again when the epoch ends."""
+        while self.step < self.total_steps and self.epoch < self.config.epochs:
+            epoch = self.epochs.start(self.epoch, self.total_steps - self.step)
+            with epoch.running(self.model):
+                for batches in epoch:
+                    if not self._step(batches, epoch, eval_set):
+                        break
+            self.step = epoch.finish(self.step, self.optimizer, self.scheduler, self.scaler)
+            if not epoch.lockstep:
+                self._after_step(epoch_done=True, eval_set=eval_set)
+            if not epoch.complete:
+                return  # max_steps ended the run inside this epoch
+            self.epoch += 1
 
-    def _step(self, batches: Iterator, eval_set: Dataset | None) -> None:
-        """One optimizer step, then the periodic work that falls due after it."""
-        micro = min(self.config.grad_accum_steps, self.sampler.num_batches)
+    def _step(self, batches: list[Any], epoch: Any, eval_set: Dataset | None) -> bool:
+        """One optimizer step on this rank's micro-batches, then the periodic work that falls
+        due after it (ranks in lockstep); False: this rank stops the epoch here."""
         self._tracer.before_step(self.step + 1)
-        loss, stepped = self._train_step(batches, micro)
+        loss, outcome = self._train_step(batches, epoch)
         self._tracer.after_step(self.step + 1)
-        if stepped:
-            self._step_scheduler()
+        epoch.consumed(len(batches))
         self.step += 1
-        self._maybe_check_replicas()
-        self._log_step(loss, micro)
-        epoch_done = self.sampler.num_batches == 0
-        self._maybe_evaluate(eval_set, epoch_done)
-        self._maybe_save(epoch_done)
+        self._progress.window.add(loss, len(batches) * self._per_rank_batch_size())
+        if outcome == "nonfinite":
+            self._nonfinite.append((self.step, bool(torch.isfinite(loss))))
+        if epoch.lockstep:
+            self._after_step(epoch_done=epoch.complete, eval_set=eval_set)
+        # Deferred: its gradients went to the others' reduction. Non-finite with "stop": every
+        # rank still training saw the same averaged gradients and stops here too.
+        return outcome == "stepped" or (outcome == "nonfinite" and self.config.nonfinite == "skip")
 
-    def _train_step(self, batches: Iterator, micro: int) -> tuple[torch.Tensor, bool]:
-        """Forward and backward `micro` micro-batches (averaging on the last); return the summed
-        loss and whether the optimizer stepped. Wall-clock marks split its time into the
-        phases of ddptrain.train.timing."""
+    def _train_step(self, batches: list[Any], epoch: Any) -> tuple[torch.Tensor, str]:
+        """Forward and backward each micro-batch (averaging on the last), then the optimizer
+        step: (summed local loss, "stepped", "nonfinite" (skipped, nothing changed) or
+        "deferred"). Wall-clock marks split its time into the phases of train.timing."""
         times = self._progress.window.times
         began = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.info.device)
-        for m in range(micro):
+        micro = len(batches)
+        for m, batch in enumerate(batches):
             mark = time.perf_counter()
-            batch = self._next_batch(batches)
+            batch = self._next_batch(batch)
             now = time.perf_counter()
             times.add("data_s", now - mark)
             sync = m == micro - 1
@@ -210,22 +209,24 @@ class Trainer:
             comm = self.model.last_comm_wait_s if sync else 0.0
             times.add("compute_s", max(0.0, time.perf_counter() - now - comm))
             times.add("comm_s", comm)
+        if epoch.deferred:
+            return total, "deferred"
         mark = time.perf_counter()
         with profiling.mark("ddptrain.optimizer"):
             stepped = self._optimizer_step()
-        if not stepped:
-            cfg = self.config
-            health.on_nonfinite_gradients(
-                total, step=self.step + 1, policy=cfg.nonfinite, checkpoint_dir=cfg.checkpoint_dir
-            )
+        if stepped:
+            self._step_scheduler()
         now = time.perf_counter()
         times.add("optim_s", now - mark)
         times.add("step_s", now - began)
-        return total, stepped
+        return total, "stepped" if stepped else "nonfinite"
 
-    def _next_batch(self, batches: Iterator) -> Any:
+    def _next_batch(self, batch: Any) -> Any:
         with profiling.mark("ddptrain.data"):
-            return move_to(next(batches), self.info.device)
+            return move_to(batch, self.info.device)
+
+    def _per_rank_batch_size(self) -> int:
+        return self.config.micro_global_batch_size // self.info.world_size
 
     def _micro_step(self, batch: Any, micro: int, *, sync: bool) -> torch.Tensor:
         """Forward and backward one micro-batch; gradients are averaged only when `sync`."""
@@ -242,8 +243,6 @@ class Trainer:
             scaled = loss / micro
             with profiling.mark("ddptrain.backward"):
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-        if self.sampler is not None:
-            self.sampler.mark_consumed(1)
         return scaled.detach().float()
 
     def _step_scheduler(self) -> None:
@@ -282,19 +281,40 @@ class Trainer:
         return torch.autocast(self.info.device.type, dtype=dtype)
 
     # ----------------------------------------------------------------------- periodic work
-    def _maybe_check_replicas(self) -> None:
+    def _after_step(self, *, epoch_done: bool, eval_set: Dataset | None) -> None:
+        """What falls due after a step where every rank meets: non-finite steps reported,
+        replica checks, the log line, evaluation and checkpoint, each on its schedule."""
+        self._report_nonfinite()
         every = self.config.check_replicas_every
-        if every and self.step % every == 0:
+        if every and (self.step % every == 0 or not self.epochs.lockstep):
             health.check_replicas(self.model.module)
+        self._log_step(force=not self.epochs.lockstep)
+        self._maybe_evaluate(eval_set, epoch_done)
+        self._maybe_save(epoch_done)
 
-    def _log_step(self, loss: torch.Tensor, micro: int) -> None:
-        """Add this step to the log window; every log_every_steps, report the window's mean loss."""
-        cfg, progress = self.config, self._progress
-        progress.window.add(loss, micro * cfg.micro_global_batch_size)
-        if self.step % cfg.log_every_steps != 0 and self.step != self.total_steps:
+    def _report_nonfinite(self) -> None:
+        """Warn about (policy "skip") or stop at (policy "stop") the steps whose averaged
+        gradients were not finite, naming the ranks whose own loss was not. Collective, except
+        in lockstep with nothing to report: there every rank saw the same averaged gradients."""
+        if self.epochs.lockstep and not self._nonfinite:
             return
-        steps_in_window = (self.step - 1) % cfg.log_every_steps + 1
-        progress.last_loss, samples_per_s, split = progress.window.report(steps_in_window)
+        everyone: list[Any] = [None] * self.info.world_size
+        dist.all_gather_object(everyone, self._nonfinite)
+        self._nonfinite = []
+        for step in sorted({step for mine in everyone for step, _ in mine}):
+            bad = [r for r, mine in enumerate(everyone) if (step, False) in mine]
+            cfg = self.config
+            health.report_nonfinite(
+                step, bad, policy=cfg.nonfinite, checkpoint_dir=cfg.checkpoint_dir
+            )
+
+    def _log_step(self, force: bool = False) -> None:
+        """Every log_every_steps (or when `force`d), report the window's mean loss."""
+        cfg, progress = self.config, self._progress
+        due = self.step % cfg.log_every_steps == 0 or self.step == self.total_steps
+        if not (due or force):
+            return
+        progress.last_loss, samples_per_s, split = progress.window.report()
         record = {
             "step": self.step,
             "epoch": self.epoch,
@@ -309,17 +329,22 @@ class Trainer:
             self._log.write(record)
 
     def _maybe_evaluate(self, eval_set: Dataset | None, epoch_done: bool) -> None:
-        if _due(self.step, self.config.eval_every_steps, epoch_done):
+        if self._due(self.config.eval_every_steps, epoch_done):
             with self._progress.window.paused():
                 self._progress.metrics = self._evaluate_and_log(eval_set)
             self._progress.evaluated_at = self.step
 
     def _maybe_save(self, epoch_done: bool) -> None:
-        if self.config.checkpoint_dir and _due(
-            self.step, self.config.checkpoint_every_steps, epoch_done
-        ):
+        if self.config.checkpoint_dir and self._due(self.config.checkpoint_every_steps, epoch_done):
             with self._progress.window.paused():
                 self._save()
+
+    def _due(self, every_steps: int | None, epoch_done: bool) -> bool:
+        """Periodic work runs every `every_steps` optimizer steps, else at each epoch's end;
+        at every epoch's end for uneven epochs, the only place their ranks meet."""
+        if not self.epochs.lockstep:
+            return True
+        return self.step % every_steps == 0 if every_steps else epoch_done
 
     def _finish(self, eval_set: Dataset | None) -> None:
         """Evaluate and save the last step unless the loop just did. A resumed run re-evaluates
@@ -376,11 +401,13 @@ class Trainer:
     def _announce(self, resumed: bool) -> None:
         resumed_at = self.step if resumed else None
         cfg, info, sampler, model = self.config, self.info, self.sampler, self.model
-        by_epochs = build.epoch_steps(cfg, sampler) if sampler is not None else None
+        by_epochs = self.epochs.by_epochs
         print0(describe_run(cfg, info, sampler, model, self.total_steps, resumed_at, by_epochs))
 
     def _open_logs(self, resumed: bool) -> None:
         cfg, info = self.config, self.info
+        # (step, whether this rank's loss was finite) of steps skipped for non-finite gradients.
+        self._nonfinite: list[tuple[int, bool]] = []
         # A resumed run never re-saves the step it resumed from (that file exists).
         saved_at = self.step if resumed else -1
         self._progress = Progress(LossWindow(info.device), self.step, saved_at)
@@ -404,8 +431,3 @@ class Trainer:
         self._bar.close()
         if self._log:
             self._log.close()
-
-
-def _due(step: int, every_steps: int | None, epoch_done: bool) -> bool:
-    """Periodic work runs every `every_steps` optimizer steps, or at each epoch's end if None."""
-    return step % every_steps == 0 if every_steps else epoch_done

@@ -83,16 +83,18 @@ def test_summary_counts_only_the_samples_trained_since_start_or_resume(monkeypat
 
 
 def test_window_samples_per_s_leaves_out_evaluation_and_saving(monkeypatch):
-    """LossWindow.report: time spent inside paused() (evaluation, a save) is not training time."""
+    """LossWindow.report: the mean loss per step, and time spent inside paused() (evaluation,
+    a save) is not training time."""
     clock = iter([0.0, 2.0, 10.0, 12.0, 12.0])
     monkeypatch.setattr(logs.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(logs.dist, "get_world_size", lambda: 1)
     window = logs.LossWindow(torch.device("cpu"))
-    window.add(torch.tensor(3.0), samples=100)
+    window.add(torch.tensor(3.0), samples=60)
+    window.add(torch.tensor(1.0), samples=40)
     with window.paused():
         pass
-    loss, samples_per_s, _ = window.report(steps=2)
-    assert loss == 1.5
+    loss, samples_per_s, _ = window.report()
+    assert loss == 2.0
     assert samples_per_s == 100 / (12.0 - 8.0)
 
 

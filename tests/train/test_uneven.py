@@ -12,8 +12,8 @@ from torch import nn
 from torch.utils.data import IterableDataset
 
 import ddptrain
-from ddptrain.train import uneven
 from ddptrain.train.config import TrainerConfig
+from ddptrain.train.epochs import check_uneven_supported
 from support.toy_models import N_EVAL, ToyTrainer
 
 BATCH = 8  # global: 4 per rank at world size 2
@@ -151,12 +151,12 @@ def test_a_rank_out_of_data_mid_round_or_before_a_nan_step_does_not_hang(tmp_pat
 def test_zero_stage_with_uneven_parts_is_refused_with_the_fix():
     """ZeRO's collective optimizer step cannot be shadowed by a joined rank: a clear refusal."""
     with pytest.raises(ValueError, match="zero_stage=1 with an IterableDataset.*Use zero_stage=0"):
-        uneven.check_supported(TrainerConfig(global_batch_size=8, zero_stage=1))
-    uneven.check_supported(TrainerConfig(global_batch_size=8))
+        check_uneven_supported(TrainerConfig(global_batch_size=8, zero_stage=1))
+    check_uneven_supported(TrainerConfig(global_batch_size=8))
 
 
 def test_profile_steps_with_uneven_parts_is_refused_with_the_fix():
     """The profiler's starting barrier cannot be answered by a joined rank: a clear refusal."""
     config = TrainerConfig(global_batch_size=8, profile_steps=(1, 2), log_dir="logs")
     with pytest.raises(ValueError, match="profile_steps with an IterableDataset.*profile_steps="):
-        uneven.check_supported(config)
+        check_uneven_supported(config)
