@@ -7,10 +7,12 @@ Usage:
     apt-get install -y dataset-fashion-mnist
     torchrun --standalone --nproc_per_node=2 recipes/mnist.py --dataset fashion-mnist
 
-Missing MNIST files are downloaded into --data-dir/MNIST/raw/ by local rank 0 of each host
-(MD5-checked, written under a temporary name and renamed once verified) while the other ranks
-wait. --mirror URL (or DDPTRAIN_MNIST_MIRROR=URL) replaces the standard mirrors: an https://,
-http:// or file:// folder holding the four .gz files.
+The first line printed says where the data was read from. Missing MNIST files are downloaded
+into --data-dir/MNIST/raw/ by local rank 0 of each host (MD5-checked, written under a temporary
+name and renamed once verified) while the other ranks wait, unless that folder holds
+Fashion-MNIST. A --data-dir you name is read alone: Debian's Fashion-MNIST stands in only for
+the default data/. --mirror URL (or DDPTRAIN_MNIST_MIRROR=URL) replaces the standard mirrors:
+an https://, http:// or file:// folder holding the four .gz files.
 
 Mistakes (flags, settings, data files, checkpoints) print one `error: ...` line and exit 2
 (flags and settings) or 1; --debug (or DDPTRAIN_DEBUG=1) shows the traceback instead.
@@ -55,11 +57,20 @@ from ddptrain.cli import (
     run_alike,
     run_main,
 )
-from ddptrain.data.datasets import DEBIAN_FASHION_MNIST, download_mnist, fashion_mnist, mnist
+from ddptrain.data.datasets import (
+    DEBIAN_FASHION_MNIST,
+    download_mnist,
+    fashion_mnist,
+    mnist,
+    survey_data_dir,
+)
 from ddptrain.data.download import DownloadError
 from ddptrain.models import LeNet
 from ddptrain.train.config import COMM_HOOKS, PRECISIONS, ZERO_STAGES, TrainerConfig
 from ddptrain.train.trainer import Trainer
+
+DEFAULT_DATA_DIR = "data"
+TITLES = {"mnist": "MNIST", "fashion-mnist": "Fashion-MNIST"}
 
 
 class MNISTTrainer(Trainer):
@@ -82,20 +93,36 @@ class MNISTTrainer(Trainer):
     def build_datasets(self):
         # Alike on every rank, so a bad or missing file is one error line, not one per rank.
         run_alike(self._download_on_local_rank_0)
-        return run_alike(self._load)
+        train_set, test_set = run_alike(self._load)
+        ddptrain.print0(describe_data(self.args.dataset, train_set, test_set))
+        return train_set, test_set
 
     def _download_on_local_rank_0(self) -> None:
         if self.args.dataset != "mnist" or self.info.local_rank != 0:
             return
+        root = self.args.data_dir or DEFAULT_DATA_DIR
         try:
-            download_mnist(self.args.data_dir, [self.args.mirror] if self.args.mirror else None)
+            download_mnist(root, [self.args.mirror] if self.args.mirror else None)
         except DownloadError as e:
             hint = _offline_hint(self.info.world_size, self.info.launcher, sys.argv[1:])
             raise DownloadError(f"{e}; {hint}") from None
+        except FileNotFoundError:  # the folder holds Fashion-MNIST: nothing was written there
+            raise FileNotFoundError(data_dir_error(self.args.dataset, self.args.data_dir)) from None
 
     def _load(self):
-        load = mnist if self.args.dataset == "mnist" else fashion_mnist
-        return load(self.args.data_dir, train=True), load(self.args.data_dir, train=False)
+        # Debian's Fashion-MNIST stands in only for the default folder: a --data-dir the user
+        # named must hold the data itself.
+        explicit = self.args.data_dir is not None
+        root = self.args.data_dir or DEFAULT_DATA_DIR
+        try:
+            if self.args.dataset == "mnist":
+                return mnist(root, train=True), mnist(root, train=False)
+            return (
+                fashion_mnist(root, train=True, fallback=not explicit),
+                fashion_mnist(root, train=False, fallback=not explicit),
+            )
+        except FileNotFoundError:
+            raise FileNotFoundError(data_dir_error(self.args.dataset, self.args.data_dir)) from None
 
     def configure_optimizers(self, model: torch.nn.Module):
         opt = torch.optim.SGD(
@@ -117,6 +144,41 @@ class MNISTTrainer(Trainer):
             "loss": F.nll_loss(out, y, reduction="sum"),
             "accuracy": (out.argmax(1) == y).sum(),
         }
+
+
+def describe_data(dataset: str, train_set, test_set) -> str:
+    """The run's first line: which data, how much, and the folder it was read from."""
+    train_dir, test_dir = (ds.paths[0].parent for ds in (train_set, test_set))
+    train, test = f"train {len(train_set)}", f"test {len(test_set)}"
+    if train_dir == test_dir:
+        return f"data: {TITLES[dataset]} {train} / {test} from {train_dir}"
+    return f"data: {TITLES[dataset]} {train} from {train_dir} / {test} from {test_dir}"
+
+
+def data_dir_error(dataset: str, data_dir: str | None) -> str:
+    """Why the data folder cannot serve `dataset` (what it holds instead), and what to do."""
+    survey = survey_data_dir(data_dir or DEFAULT_DATA_DIR, dataset)
+    where = f"--data-dir {survey}" if data_dir is not None else f"the default --data-dir {survey}"
+    title = TITLES[dataset]
+    # Offered only when the folder holds both of the other dataset's splits: it would train.
+    other = next((key for key, name in TITLES.items() if name == survey.other), None)
+    complete = other is not None and len(survey.other_splits) == 2
+    use_other = f"train on it with --dataset {other}, or " if complete else ""
+    if dataset == "mnist":
+        return (
+            f"{where}; {use_other}give MNIST a --data-dir of its own (missing files are "
+            "downloaded into DIR/MNIST/raw/)"
+        )
+    if data_dir is not None:
+        return (
+            f"{where}; {use_other}point --data-dir at a folder holding {title}'s four IDX "
+            f"files, or leave it out to read {DEFAULT_DATA_DIR}/ and then {DEBIAN_FASHION_MNIST}"
+        )
+    debian = survey_data_dir(DEBIAN_FASHION_MNIST, dataset)
+    return (
+        f"{title} not found: {where}, and {debian}; install Debian's copy (apt-get install -y "
+        "dataset-fashion-mnist), or pass --data-dir DIR holding its four IDX files"
+    )
 
 
 def _offline_hint(world_size: int, launcher: str, flags: list[str]) -> str:
@@ -144,7 +206,14 @@ def _offline_hint(world_size: int, launcher: str, flags: list[str]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default="mnist")
-    p.add_argument("--data-dir", default="data", help="folder with the IDX files")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="folder with the IDX files (flat, raw/ or MNIST/raw/); missing MNIST files are "
+        "downloaded into DIR/MNIST/raw/ unless DIR holds Fashion-MNIST (default: data/, and "
+        f"for Fashion-MNIST then {DEBIAN_FASHION_MNIST})",
+    )
     p.add_argument(
         "--mirror",
         default=os.environ.get("DDPTRAIN_MNIST_MIRROR"),

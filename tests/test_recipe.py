@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import re
 import subprocess
 import sys
@@ -9,8 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from ddptrain import cli
+from ddptrain.data import datasets
 from support.child_env import child_env
-from support.idx_files import MNIST_ROOT, closed_port_url, serve_folder, write_split
+from support.idx_files import (
+    FASHION_FIRST_LABELS,
+    MNIST_ROOT,
+    closed_port_url,
+    serve_folder,
+    write_split,
+)
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "mnist.py"
 REAL_RAW = MNIST_ROOT / "MNIST/raw"
@@ -70,6 +80,9 @@ def test_dry_run_under_torchrun_downloads_the_test_split_then_trains_and_checkpo
     assert final, result.stdout
     assert "steps=5" in final.group(0)
     assert "world_size=2 backend=gloo" in result.stdout
+    raw = data_dir / "MNIST" / "raw"
+    assert result.stdout.splitlines()[0] == f"data: MNIST train 640 / test 10000 from {raw}"
+    assert result.stdout.count("data: ") == 1, result.stdout  # rank 0 alone
     assert sorted(p.name for p in (data_dir / "MNIST/raw").iterdir()) == [
         "t10k-images-idx3-ubyte.gz",
         "t10k-labels-idx1-ubyte.gz",
@@ -96,6 +109,8 @@ def test_plain_python_run_and_target_acc_exit_code(tmp_path, data_dir):
         tmp_path,
     )
     assert result.returncode == 1, result.stdout + result.stderr
+    raw = data_dir / "MNIST" / "raw"
+    assert result.stdout.splitlines()[0] == f"data: MNIST train 640 / test 101 from {raw}"
     assert "world_size=1" in result.stdout
     assert "below --target-acc 1.01" in result.stdout
 
@@ -123,3 +138,46 @@ def test_a_bad_flag_is_one_line_and_exit_status_2(tmp_path):
     result = _run([sys.executable, str(RECIPE), "--lr", "-1"], tmp_path)
     assert result.returncode == 2
     assert result.stderr == "error: argument --lr: must be > 0, got -1 (see mnist.py --help)\n"
+
+
+def _recipe_module():
+    spec = importlib.util.spec_from_file_location("mnist_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# @record enables faulthandler on stderr, which pytest has swapped for an object without fileno.
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_the_system_fashion_mnist_stands_in_only_when_no_data_dir_is_given(
+    tmp_path, monkeypatch, capsys
+):
+    """Without --data-dir the recipe reads the system copy and its first line says so; with a
+    --data-dir lacking the files it stops with what that folder holds, never using the copy."""
+    system = tmp_path / "system"
+    write_split(system, "train", 64, first_labels=FASHION_FIRST_LABELS["train"])
+    write_split(system, "t10k", 20, first_labels=FASHION_FIRST_LABELS["t10k"])
+    spec = dataclasses.replace(datasets._FASHION_MNIST, fallback_dirs=(system,))
+    monkeypatch.setattr(datasets, "_FASHION_MNIST", spec)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", cli.DEBUG_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)  # no data/ here
+    main = _recipe_module().main
+    flags = [
+        "--dataset",
+        "fashion-mnist",
+        "--dry-run",
+        "--no-progress",
+        "--global-batch-size",
+        "16",
+    ]
+
+    assert cli.run_main(main, flags) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"data: Fashion-MNIST train 64 / test 20 from {system}"
+
+    (tmp_path / "mine").mkdir()
+    assert cli.run_main(main, [*flags, "--data-dir", "mine"]) == 1
+    out, err = capsys.readouterr()
+    assert "data: " not in out
+    assert err.startswith("error: --data-dir mine is empty; point --data-dir at"), err
