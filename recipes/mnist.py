@@ -17,20 +17,11 @@ an https://, http:// or file:// folder holding the four .gz files.
 Mistakes (flags, settings, data files, checkpoints) print one `error: ...` line and exit 2
 (flags and settings) or 1; --debug (or DDPTRAIN_DEBUG=1) shows the traceback instead.
 
-Common flags:
-    --dataset {mnist,fashion-mnist}   --data-dir DIR (MNIST/raw/, raw/ or flat IDX files)
-    --epochs 6   --global-batch-size 256 (split over ranks)   --lr 0.2   --momentum   --seed
-    --width 2 --dropout 0.1 (LeNet 20-40-100 with BatchNorm; --width 1 --dropout 0.5
-    --no-batchnorm is the tutorial's net)   --no-channels-last (NCHW weights)
-    --checkpoint-dir DIR   --resume {auto,PATH}   --dry-run (a few steps, for CI)
-    --mirror URL (where to download MNIST from)   --debug (tracebacks for errors)
-    --target-acc 0.99 (exit 1 if final test accuracy is below it)
-    --comm-hook {default,allreduce,bf16,ring,..} (how gradients are reduced)
-    --zero-stage 1 (shard the optimizer state across ranks: ZeRO stage 1)
-    --no-batchnorm (LeNet without BatchNorm)   --sync-batchnorm (statistics over all ranks)
-    --log-dir runs/x (metrics.jsonl; then: python -m ddptrain.plot runs/x -o curves.png)
-    --profile-steps 20:22 (Chrome traces of steps 20-22 per rank into --log-dir)   --tensorboard
-    --model mlp (the benchmark's 16.8M-parameter MLP instead of LeNet)
+Checkpoints, and continuing after a restart from the newest valid one:
+    torchrun --standalone --nproc_per_node=2 recipes/mnist.py --checkpoint-dir ckpt \
+        --checkpoint-every-steps 100 --keep-last 5 --resume auto
+
+Every flag and its default: python recipes/mnist.py --help (below, when reading this there).
 
 The last line printed is a summary:
     FINAL dataset=mnist test_accuracy=0.99.. epochs=6 steps=1410 wall_s=.. samples_per_s=..
@@ -43,6 +34,7 @@ import argparse
 import os
 import shlex
 import sys
+import textwrap
 
 import torch
 import torch.nn.functional as F
@@ -203,10 +195,24 @@ def _offline_hint(world_size: int, launcher: str, flags: list[str]) -> str:
     return f"or train offline on Fashion-MNIST: {install}, then {command}"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default="mnist")
-    p.add_argument(
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written; help lines wrapped, but never inside a path or flag."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The recipe's flags, each with a help line that names its default."""
+    p = ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    data = p.add_argument_group("data")
+    data.add_argument(
+        "--dataset",
+        choices=["mnist", "fashion-mnist"],
+        default="mnist",
+        help="which data set to train and test on (default: %(default)s)",
+    )
+    data.add_argument(
         "--data-dir",
         default=None,
         metavar="DIR",
@@ -214,69 +220,216 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "downloaded into DIR/MNIST/raw/ unless DIR holds Fashion-MNIST (default: data/, and "
         f"for Fashion-MNIST then {DEBIAN_FASHION_MNIST})",
     )
-    p.add_argument(
+    data.add_argument(
         "--mirror",
         default=os.environ.get("DDPTRAIN_MNIST_MIRROR"),
-        help="base URL to download MNIST from (default: $DDPTRAIN_MNIST_MIRROR, else the "
-        "standard mirrors)",
+        metavar="URL",
+        help="base URL (https://, http:// or file://) of a folder holding MNIST's four .gz "
+        "files (default: $DDPTRAIN_MNIST_MIRROR, else the standard mirrors)",
     )
+
+    train = p.add_argument_group("training")
     # The defaults are tuned for time to accuracy on a small CPU machine (docs/benchmarks.md):
     # Fashion-MNIST >= 91% in under 100 s at 2 ranks on 2 cores, MNIST ~99%.
-    p.add_argument("--epochs", type=int, default=6)
+    train.add_argument(
+        "--epochs",
+        type=int,
+        default=6,
+        metavar="N",
+        help="passes over the training set (default: %(default)s)",
+    )
+    train.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N optimizer steps (default: none, all the epochs)",
+    )
+    train.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=256,
+        metavar="N",
+        help="samples per optimizer step, split over the ranks (default: %(default)s)",
+    )
+    train.add_argument(
+        "--lr",
+        type=positive(float),
+        default=0.2,
+        help="SGD learning rate, the start of a cosine schedule (default: %(default)s)",
+    )
+    train.add_argument(
+        "--momentum",
+        type=non_negative(float),
+        default=0.9,
+        help="SGD momentum (default: %(default)s)",
+    )
+    train.add_argument(
+        "--weight-decay",
+        type=non_negative(float),
+        default=5e-4,
+        help="SGD weight decay (default: %(default)s)",
+    )
+    train.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="seed of the model, data order and dropout (default: %(default)s)",
+    )
+    train.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="bf16: autocast; fp16: autocast and GradScaler, CUDA only (default: %(default)s)",
+    )
+    train.add_argument(
+        "--comm-hook",
+        choices=COMM_HOOKS,
+        default="default",
+        metavar="HOOK",
+        help=f"how gradients are averaged over ranks: {', '.join(COMM_HOOKS)} (default: "
+        "%(default)s, the wrapper's choice for the device and hosts)",
+    )
+    train.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=ZERO_STAGES,
+        default=0,
+        help="1: shard the optimizer state across ranks, ZeRO stage 1 (default: %(default)s)",
+    )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="5 steps and one evaluation, for CI (default: off)",
+    )
+
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        choices=["lenet", "mlp"],
+        default="lenet",
+        help="mlp: the benchmark's 16.8M-parameter MLP, which shows communication in a "
+        "timeline (default: %(default)s)",
+    )
     # Width 2 (20-40-100) with BatchNorm: the tutorial's 10-20-50 net tops out near 88% on
     # Fashion-MNIST; width 3 gains little in a short run and costs 1.6x the compute.
-    p.add_argument(
-        "--width", type=positive(int), default=2, help="LeNet width multiplier (1 = tutorial)"
+    model.add_argument(
+        "--width",
+        type=positive(int),
+        default=2,
+        help="LeNet width multiplier; 1 with --dropout 0.5 --no-batchnorm is the tutorial's "
+        "net (default: %(default)s)",
     )
-    p.add_argument("--dropout", type=probability, default=0.1)
-    p.add_argument("--global-batch-size", type=int, default=256)
-    p.add_argument("--lr", type=positive(float), default=0.2)
-    p.add_argument("--momentum", type=non_negative(float), default=0.9)
-    p.add_argument("--weight-decay", type=non_negative(float), default=5e-4)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument(
-        "--resume", default=None, help="'auto' (latest valid in --checkpoint-dir) or a path"
+    model.add_argument(
+        "--dropout",
+        type=probability,
+        default=0.1,
+        help="dropout probability (default: %(default)s)",
     )
-    p.add_argument("--log-dir", default=None, help="writes metrics.jsonl there (rank 0)")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--comm-hook", choices=COMM_HOOKS, default="default")
-    p.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=0)
-    p.add_argument(
+    model.add_argument(
         "--batchnorm",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="BatchNorm after each conv and the hidden layer (default: on)",
     )
-    p.add_argument(
+    model.add_argument(
+        "--sync-batchnorm",
+        action="store_true",
+        help="BatchNorm statistics over the global batch; implies --batchnorm (default: off)",
+    )
+    model.add_argument(
         "--channels-last",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="LeNet's weights in NHWC layout (default: on, off with --zero-stage 1, whose "
         "flat shards need contiguous parameters)",
     )
-    p.add_argument(
-        "--sync-batchnorm", action="store_true", help="BatchNorm over the global batch (implies it)"
+
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="write checkpoints there, keeping the best by test accuracy too (default: none, "
+        "no checkpoints)",
     )
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--dry-run", action="store_true", help="5 steps and one evaluation, for CI")
-    p.add_argument("--target-acc", type=float, default=None)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--debug", action="store_true", help="tracebacks for errors (DDPTRAIN_DEBUG=1)")
-    p.add_argument(
+    ckpt.add_argument(
+        "--checkpoint-every-steps",
+        type=positive(int),
+        default=None,
+        metavar="N",
+        help="checkpoint every N optimizer steps instead of at each epoch's end; one is "
+        "always written at the end (default: each epoch)",
+    )
+    ckpt.add_argument(
+        "--keep-last",
+        type=positive(int),
+        default=None,
+        metavar="K",
+        help="keep the newest K checkpoints (and the best one), delete older ones "
+        f"(default: {TrainerConfig.keep_last})",
+    )
+    ckpt.add_argument(
+        "--resume",
+        default=None,
+        metavar="{auto,PATH}",
+        help="auto: the newest valid checkpoint in --checkpoint-dir, moving newer invalid ones "
+        "into its invalid/ subfolder, or a fresh start; or a checkpoint's path (default: "
+        "none, a fresh start)",
+    )
+
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--eval-every-steps",
+        type=positive(int),
+        default=None,
+        metavar="N",
+        help="evaluate every N optimizer steps (default: at each epoch's end)",
+    )
+    out.add_argument(
+        "--target-acc",
+        type=float,
+        default=None,
+        metavar="ACC",
+        help="exit with status 1 if the final test accuracy is below ACC, e.g. 0.99 (default: "
+        "none)",
+    )
+    out.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="write metrics.jsonl there, rank 0; then python -m ddptrain.plot DIR -o "
+        "curves.png (default: none)",
+    )
+    out.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write TensorBoard scalars into --log-dir (default: off)",
+    )
+    out.add_argument(
         "--profile-steps",
         nargs="+",
         default=None,
         metavar="A[:B]",
-        help="trace optimizer steps A..B (A:B or A B) per rank into --log-dir",
+        help="trace optimizer steps A..B (A:B or A B) per rank into --log-dir (default: none)",
     )
-    p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard")
-    p.add_argument(
-        "--eval-every-steps", type=positive(int), default=None, help="default: each epoch"
+    out.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (default: a bar on an interactive terminal)",
     )
-    # The benchmark's 16.8M-parameter MLP: little compute per gradient byte, so communication
-    # shows in a timeline.
-    p.add_argument("--model", choices=["lenet", "mlp"], default="lenet")
+    out.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of a user error instead of one error: line; also "
+        "DDPTRAIN_DEBUG=1 (default: off)",
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags of `argv` (default: the command line), checked together."""
+    p = build_parser()
     args = p.parse_args(argv)
     args.profile_steps = _step_range(p, args.profile_steps)
     if args.channels_last is None:
@@ -286,6 +439,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--zero-stage 1 shards flat, contiguous parameters; drop --channels-last "
             "(--zero-stage 1 turns it off by default)"
         )
+    given = [
+        flag
+        for flag, value in (
+            ("--checkpoint-every-steps", args.checkpoint_every_steps),
+            ("--keep-last", args.keep_last),
+        )
+        if value is not None
+    ]
+    if given and not args.checkpoint_dir:
+        verb = "apply" if len(given) > 1 else "applies"
+        p.error(f"{' and '.join(given)} {verb} to checkpoints; add --checkpoint-dir DIR")
+    if args.keep_last is None:
+        args.keep_last = TrainerConfig.keep_last
     return args
 
 
@@ -314,6 +480,8 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         zero_stage=args.zero_stage,
         sync_batchnorm=args.sync_batchnorm,
         checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every_steps=args.checkpoint_every_steps,
+        keep_last=args.keep_last,
         resume=args.resume,
         log_dir=args.log_dir,
         log_every_steps=5 if args.dry_run else 50,

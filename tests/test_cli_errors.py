@@ -178,6 +178,20 @@ def test_parser_errors_and_bounded_types_raise_usage_errors():
         parser.parse_args(["--epoch", "3"])
 
 
+def test_abbreviated_flags_are_refused_with_the_whole_name_suggested():
+    """`--epoch 3` is not taken for --epochs 3 (argparse's abbreviations are off); the error
+    names the flag meant, and the whole name still works."""
+    parser = cli.ArgumentParser(prog="train.py")
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--lr", type=float)
+    assert parser.parse_args(["--epochs", "3"]).epochs == 3
+    for argv in (["--epoch", "3"], ["--epoch=3"]):
+        with pytest.raises(cli.UsageError) as info:
+            parser.parse_args(argv)
+        suggestion = "did you mean --epochs? (see train.py --help)"
+        assert str(info.value) == f"unrecognized arguments: {' '.join(argv)}; {suggestion}"
+
+
 # --------------------------------------------------------------------------- the recipe's rows
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "mnist.py"
 CLI_SECTION = "From the command line"
@@ -252,7 +266,17 @@ CLI_CASES: dict[str, CliCase] = {
     "cli-unknown-flag": CliCase(
         lambda f: _data(f, "--epcohs", "3"),
         2,
-        f"error: unrecognized arguments: --epcohs 3 (see{GAP}--help)",
+        f"error: unrecognized arguments: --epcohs 3; did you mean --epochs? (see{GAP}--help)",
+    ),
+    "cli-abbreviated-flag": CliCase(
+        lambda f: _data(f, "--epoch", "3"),
+        2,
+        f"error: unrecognized arguments: --epoch 3; did you mean --epochs? (see{GAP}--help)",
+    ),
+    "cli-keep-last-without-checkpoint-dir": CliCase(
+        lambda f: _data(f, "--keep-last", "2"),
+        2,
+        f"error: --keep-last applies to checkpoints; add --checkpoint-dir DIR (see{GAP}--help)",
     ),
     "cli-dropout-out-of-range": CliCase(
         lambda f: _data(f, "--dropout", "1.5"),

@@ -181,3 +181,67 @@ def test_the_system_fashion_mnist_stands_in_only_when_no_data_dir_is_given(
     out, err = capsys.readouterr()
     assert "data: " not in out
     assert err.startswith("error: --data-dir mine is empty; point --data-dir at"), err
+
+
+def test_help_names_a_default_for_every_flag():
+    """Each flag in `recipes/mnist.py --help` has a help line ending in its default."""
+    text = _recipe_module().build_parser().format_help()
+    entries = re.split(r"\n(?=  -)", text.split("\noptions:\n", 1)[1])
+    flags = [entry.split()[0].rstrip(",") for entry in entries]
+    assert len(flags) > 25 and "--epochs" in flags and "--keep-last" in flags, flags
+    for flag, entry in zip(flags, entries, strict=True):
+        if flag != "-h":
+            assert "(default: " in " ".join(entry.split()), entry
+
+
+def test_checkpoint_flags_reach_the_config():
+    """--checkpoint-every-steps and --keep-last set TrainerConfig's fields; left out, the
+    config's own defaults (each epoch, keep 3) hold; an abbreviation is refused."""
+    recipe = _recipe_module()
+    base = ["--checkpoint-dir", "ckpt"]
+    cfg = recipe.build_config(
+        recipe.parse_args([*base, "--checkpoint-every-steps", "7", "--keep-last", "2"])
+    )
+    assert (cfg.checkpoint_every_steps, cfg.keep_last) == (7, 2)
+    cfg = recipe.build_config(recipe.parse_args(base))
+    assert (cfg.checkpoint_every_steps, cfg.keep_last) == (None, 3)
+    with pytest.raises(cli.UsageError, match="did you mean --keep-last"):
+        recipe.parse_args([*base, "--keep", "2"])
+
+
+def test_resume_auto_under_torchrun_sets_a_truncated_checkpoint_aside(tmp_path, data_dir):
+    """Checkpoints every 2 steps; the newest cut short; --resume auto at world size 2 says once
+    which file and why, moves it intact into invalid/, resumes from step 2 and saves on."""
+    ckpt_dir = tmp_path / "ckpt"
+    flags = [
+        str(RECIPE),
+        "--data-dir",
+        str(data_dir),
+        "--no-progress",
+        "--global-batch-size",
+        "64",
+        "--checkpoint-dir",
+        str(ckpt_dir),
+        "--checkpoint-every-steps",
+        "2",
+        "--keep-last",
+        "5",
+    ]
+    first = _run([sys.executable, *flags, "--max-steps", "4"], tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    newest = ckpt_dir / "ckpt-00000004.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+
+    result = _run([*_torchrun(2), *flags, "--max-steps", "6", "--resume", "auto"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    notes = [line for line in result.stdout.splitlines() if line.startswith("resume='auto'")]
+    assert len(notes) == 1, result.stdout
+    assert notes[0].startswith(f"resume='auto': {newest} is 1000 bytes but ckpt-00000004.json")
+    assert notes[0].endswith(f"moved it and its sidecar to {ckpt_dir / 'invalid'}/")
+    assert f"resuming from {ckpt_dir / 'ckpt-00000002.pt'} (step 2)" in result.stdout
+    assert len((ckpt_dir / "invalid" / newest.name).read_bytes()) == 1000
+    assert sorted(p.name for p in ckpt_dir.glob("*.pt")) == [
+        "ckpt-00000002.pt",
+        "ckpt-00000004.pt",
+        "ckpt-00000006.pt",
+    ]
