@@ -150,9 +150,11 @@ def test_check_writable_on_read_only_directory(tmp_path):
 
 
 def test_check_writable_reports_too_little_free_space(tmp_path):
-    """Asking for more bytes than the filesystem has free fails before training starts."""
-    with pytest.raises(CheckpointError, match="MiB free on the filesystem"):
+    """Asking for more bytes than the filesystem has free fails before training starts, and
+    the fix it offers names the recipe's flag for keep_last."""
+    with pytest.raises(CheckpointError, match="MiB free on the filesystem") as info:
         check_writable(tmp_path, required_bytes=2**62)
+    assert "lower keep_last (recipe: --keep-last)" in str(info.value)
 
 
 def _truncate(path) -> bytes:
