@@ -47,7 +47,7 @@ FASHION_FIRST_LABELS = {
 }
 
 # The real MNIST test split CI places beside the repo (../shared), and its known label counts.
-MNIST_ROOT = Path(__file__).resolve().parents[2] / "shared/data/mnist"
+MNIST_ROOT = Path(__file__).resolve().parents[3] / "shared/data/mnist"
 MNIST_TEST_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
 
