@@ -17,11 +17,11 @@ an https://, http:// or file:// folder holding the four .gz files.
 Mistakes (flags, settings, data files, checkpoints) print one `error: ...` line and exit 2
 (flags and settings) or 1; --debug (or DDPTRAIN_DEBUG=1) shows the traceback instead.
 
-Checkpoints, and continuing after a restart from the newest valid one:
-    torchrun --standalone --nproc_per_node=2 recipes/mnist.py --checkpoint-dir ckpt \
-        --checkpoint-every-steps 100 --keep-last 5 --resume auto
+Checkpoints, and continuing from the newest valid one after a restart:
+    python recipes/mnist.py --checkpoint-dir ckpt --resume auto    # the same line each time
+    ... --checkpoint-every-steps 100 --keep-last 5                 # every 100 steps, keep 5
 
-Every flag and its default: python recipes/mnist.py --help (below, when reading this there).
+python recipes/mnist.py --help lists every flag with its default.
 
 The last line printed is a summary:
     FINAL dataset=mnist test_accuracy=0.99.. epochs=6 steps=1410 wall_s=.. samples_per_s=..
