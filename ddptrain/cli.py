@@ -1,6 +1,7 @@
 """Command-line entry points: one `error: <message>` line for mistakes a user made.
 
-    parser = ddptrain.cli.ArgumentParser(description=__doc__)     # bad flags raise UsageError
+    parser = ddptrain.cli.ArgumentParser(description=__doc__)   # bad or abbreviated flags raise
+    parser.add_argument("--epochs", type=int, default=6)         # UsageError: --epoch 3 is refused
     parser.add_argument("--lr", type=positive(float), default=0.05)
 
     def main(argv: list[str] | None = None) -> int: ...
@@ -18,11 +19,12 @@ torchrun's `@record` report.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -69,10 +71,28 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors raise UsageError instead of printing usage and exiting."""
+    """argparse whose errors raise UsageError instead of printing usage and exiting, and which
+    takes only whole flag names."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Abbreviations let a typo (`--epoch 3`) pass as a real flag, and turn a working command
+        # line into an error the day a flag with the same prefix is added.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(f"{message} (see {self.prog} --help)")
+        raise UsageError(f"{message}{self._did_you_mean(message)} (see {self.prog} --help)")
+
+    def _did_you_mean(self, message: str) -> str:
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        known = [s for action in self._actions for s in action.option_strings]
+        guesses = []
+        for word in message.removeprefix("unrecognized arguments: ").split():
+            flag = word.split("=", 1)[0]
+            if flag.startswith("--"):
+                guesses += difflib.get_close_matches(flag, known, n=1)
+        return f"; did you mean {' or '.join(dict.fromkeys(guesses))}?" if guesses else ""
 
 
 def positive(kind: Callable[[str], float]) -> Callable[[str], float]:

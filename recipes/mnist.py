@@ -7,28 +7,21 @@ Usage:
     apt-get install -y dataset-fashion-mnist
     torchrun --standalone --nproc_per_node=2 recipes/mnist.py --dataset fashion-mnist
 
-Missing MNIST files are downloaded into --data-dir/MNIST/raw/ by local rank 0 of each host
-(MD5-checked, written under a temporary name and renamed once verified) while the other ranks
-wait. --mirror URL (or DDPTRAIN_MNIST_MIRROR=URL) replaces the standard mirrors: an https://,
-http:// or file:// folder holding the four .gz files.
+The first line printed says where the data was read from. Missing MNIST files are downloaded
+into --data-dir/MNIST/raw/ by local rank 0 of each host (MD5-checked, written under a temporary
+name and renamed once verified) while the other ranks wait, unless that folder holds
+Fashion-MNIST. A --data-dir you name is read alone: Debian's Fashion-MNIST stands in only for
+the default data/. --mirror URL (or DDPTRAIN_MNIST_MIRROR=URL) replaces the standard mirrors:
+an https://, http:// or file:// folder holding the four .gz files.
 
 Mistakes (flags, settings, data files, checkpoints) print one `error: ...` line and exit 2
 (flags and settings) or 1; --debug (or DDPTRAIN_DEBUG=1) shows the traceback instead.
 
-Common flags:
-    --dataset {mnist,fashion-mnist}   --data-dir DIR (MNIST/raw/, raw/ or flat IDX files)
-    --epochs 6   --global-batch-size 256 (split over ranks)   --lr 0.2   --momentum   --seed
-    --width 2 --dropout 0.1 (LeNet 20-40-100 with BatchNorm; --width 1 --dropout 0.5
-    --no-batchnorm is the tutorial's net)   --no-channels-last (NCHW weights)
-    --checkpoint-dir DIR   --resume {auto,PATH}   --dry-run (a few steps, for CI)
-    --mirror URL (where to download MNIST from)   --debug (tracebacks for errors)
-    --target-acc 0.99 (exit 1 if final test accuracy is below it)
-    --comm-hook {default,allreduce,bf16,ring,..} (how gradients are reduced)
-    --zero-stage 1 (shard the optimizer state across ranks: ZeRO stage 1)
-    --no-batchnorm (LeNet without BatchNorm)   --sync-batchnorm (statistics over all ranks)
-    --log-dir runs/x (metrics.jsonl; then: python -m ddptrain.plot runs/x -o curves.png)
-    --profile-steps 20:22 (Chrome traces of steps 20-22 per rank into --log-dir)   --tensorboard
-    --model mlp (the benchmark's 16.8M-parameter MLP instead of LeNet)
+Checkpoints, and continuing from the newest valid one after a restart:
+    python recipes/mnist.py --checkpoint-dir ckpt --resume auto    # the same line each time
+    ... --checkpoint-every-steps 100 --keep-last 5                 # every 100 steps, keep 5
+
+python recipes/mnist.py --help lists every flag with its default.
 
 The last line printed is a summary:
     FINAL dataset=mnist test_accuracy=0.99.. epochs=6 steps=1410 wall_s=.. samples_per_s=..
@@ -41,6 +34,7 @@ import argparse
 import os
 import shlex
 import sys
+import textwrap
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +49,20 @@ from ddptrain.cli import (
     run_alike,
     run_main,
 )
-from ddptrain.data.datasets import DEBIAN_FASHION_MNIST, download_mnist, fashion_mnist, mnist
+from ddptrain.data.datasets import (
+    DEBIAN_FASHION_MNIST,
+    download_mnist,
+    fashion_mnist,
+    mnist,
+    survey_data_dir,
+)
 from ddptrain.data.download import DownloadError
 from ddptrain.models import LeNet
 from ddptrain.train.config import COMM_HOOKS, PRECISIONS, ZERO_STAGES, TrainerConfig
 from ddptrain.train.trainer import Trainer
+
+DEFAULT_DATA_DIR = "data"
+TITLES = {"mnist": "MNIST", "fashion-mnist": "Fashion-MNIST"}
 
 
 class MNISTTrainer(Trainer):
@@ -82,20 +85,36 @@ class MNISTTrainer(Trainer):
     def build_datasets(self):
         # Alike on every rank, so a bad or missing file is one error line, not one per rank.
         run_alike(self._download_on_local_rank_0)
-        return run_alike(self._load)
+        train_set, test_set = run_alike(self._load)
+        ddptrain.print0(describe_data(self.args.dataset, train_set, test_set))
+        return train_set, test_set
 
     def _download_on_local_rank_0(self) -> None:
         if self.args.dataset != "mnist" or self.info.local_rank != 0:
             return
+        root = self.args.data_dir or DEFAULT_DATA_DIR
         try:
-            download_mnist(self.args.data_dir, [self.args.mirror] if self.args.mirror else None)
+            download_mnist(root, [self.args.mirror] if self.args.mirror else None)
         except DownloadError as e:
             hint = _offline_hint(self.info.world_size, self.info.launcher, sys.argv[1:])
             raise DownloadError(f"{e}; {hint}") from None
+        except FileNotFoundError:  # the folder holds Fashion-MNIST: nothing was written there
+            raise FileNotFoundError(data_dir_error(self.args.dataset, self.args.data_dir)) from None
 
     def _load(self):
-        load = mnist if self.args.dataset == "mnist" else fashion_mnist
-        return load(self.args.data_dir, train=True), load(self.args.data_dir, train=False)
+        # Debian's Fashion-MNIST stands in only for the default folder: a --data-dir the user
+        # named must hold the data itself.
+        explicit = self.args.data_dir is not None
+        root = self.args.data_dir or DEFAULT_DATA_DIR
+        try:
+            if self.args.dataset == "mnist":
+                return mnist(root, train=True), mnist(root, train=False)
+            return (
+                fashion_mnist(root, train=True, fallback=not explicit),
+                fashion_mnist(root, train=False, fallback=not explicit),
+            )
+        except FileNotFoundError:
+            raise FileNotFoundError(data_dir_error(self.args.dataset, self.args.data_dir)) from None
 
     def configure_optimizers(self, model: torch.nn.Module):
         opt = torch.optim.SGD(
@@ -117,6 +136,41 @@ class MNISTTrainer(Trainer):
             "loss": F.nll_loss(out, y, reduction="sum"),
             "accuracy": (out.argmax(1) == y).sum(),
         }
+
+
+def describe_data(dataset: str, train_set, test_set) -> str:
+    """The run's first line: which data, how much, and the folder it was read from."""
+    train_dir, test_dir = (ds.paths[0].parent for ds in (train_set, test_set))
+    train, test = f"train {len(train_set)}", f"test {len(test_set)}"
+    if train_dir == test_dir:
+        return f"data: {TITLES[dataset]} {train} / {test} from {train_dir}"
+    return f"data: {TITLES[dataset]} {train} from {train_dir} / {test} from {test_dir}"
+
+
+def data_dir_error(dataset: str, data_dir: str | None) -> str:
+    """Why the data folder cannot serve `dataset` (what it holds instead), and what to do."""
+    survey = survey_data_dir(data_dir or DEFAULT_DATA_DIR, dataset)
+    where = f"--data-dir {survey}" if data_dir is not None else f"the default --data-dir {survey}"
+    title = TITLES[dataset]
+    # Offered only when the folder holds both of the other dataset's splits: it would train.
+    other = next((key for key, name in TITLES.items() if name == survey.other), None)
+    complete = other is not None and len(survey.other_splits) == 2
+    use_other = f"train on it with --dataset {other}, or " if complete else ""
+    if dataset == "mnist":
+        return (
+            f"{where}; {use_other}give MNIST a --data-dir of its own (missing files are "
+            "downloaded into DIR/MNIST/raw/)"
+        )
+    if data_dir is not None:
+        return (
+            f"{where}; {use_other}point --data-dir at a folder holding {title}'s four IDX "
+            f"files, or leave it out to read {DEFAULT_DATA_DIR}/ and then {DEBIAN_FASHION_MNIST}"
+        )
+    debian = survey_data_dir(DEBIAN_FASHION_MNIST, dataset)
+    return (
+        f"{title} not found: {where}, and {debian}; install Debian's copy (apt-get install -y "
+        "dataset-fashion-mnist), or pass --data-dir DIR holding its four IDX files"
+    )
 
 
 def _offline_hint(world_size: int, launcher: str, flags: list[str]) -> str:
@@ -141,73 +195,241 @@ def _offline_hint(world_size: int, launcher: str, flags: list[str]) -> str:
     return f"or train offline on Fashion-MNIST: {install}, then {command}"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--dataset", choices=["mnist", "fashion-mnist"], default="mnist")
-    p.add_argument("--data-dir", default="data", help="folder with the IDX files")
-    p.add_argument(
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written; help lines wrapped, but never inside a path or flag."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The recipe's flags, each with a help line that names its default."""
+    p = ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    data = p.add_argument_group("data")
+    data.add_argument(
+        "--dataset",
+        choices=["mnist", "fashion-mnist"],
+        default="mnist",
+        help="which data set to train and test on (default: %(default)s)",
+    )
+    data.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="folder with the IDX files (flat, raw/ or MNIST/raw/); missing MNIST files are "
+        "downloaded into DIR/MNIST/raw/ unless DIR holds Fashion-MNIST (default: data/, and "
+        f"for Fashion-MNIST then {DEBIAN_FASHION_MNIST})",
+    )
+    data.add_argument(
         "--mirror",
         default=os.environ.get("DDPTRAIN_MNIST_MIRROR"),
-        help="base URL to download MNIST from (default: $DDPTRAIN_MNIST_MIRROR, else the "
-        "standard mirrors)",
+        metavar="URL",
+        help="base URL (https://, http:// or file://) of a folder holding MNIST's four .gz "
+        "files (default: $DDPTRAIN_MNIST_MIRROR, else the standard mirrors)",
     )
+
+    train = p.add_argument_group("training")
     # The defaults are tuned for time to accuracy on a small CPU machine (docs/benchmarks.md):
     # Fashion-MNIST >= 91% in under 100 s at 2 ranks on 2 cores, MNIST ~99%.
-    p.add_argument("--epochs", type=int, default=6)
+    train.add_argument(
+        "--epochs",
+        type=int,
+        default=6,
+        metavar="N",
+        help="passes over the training set (default: %(default)s)",
+    )
+    train.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after N optimizer steps (default: none, all the epochs)",
+    )
+    train.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=256,
+        metavar="N",
+        help="samples per optimizer step, split over the ranks (default: %(default)s)",
+    )
+    train.add_argument(
+        "--lr",
+        type=positive(float),
+        default=0.2,
+        help="SGD learning rate, the start of a cosine schedule (default: %(default)s)",
+    )
+    train.add_argument(
+        "--momentum",
+        type=non_negative(float),
+        default=0.9,
+        help="SGD momentum (default: %(default)s)",
+    )
+    train.add_argument(
+        "--weight-decay",
+        type=non_negative(float),
+        default=5e-4,
+        help="SGD weight decay (default: %(default)s)",
+    )
+    train.add_argument(
+        "--seed",
+        type=int,
+        default=1234,
+        help="seed of the model, data order and dropout (default: %(default)s)",
+    )
+    train.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="bf16: autocast; fp16: autocast and GradScaler, CUDA only (default: %(default)s)",
+    )
+    train.add_argument(
+        "--comm-hook",
+        choices=COMM_HOOKS,
+        default="default",
+        metavar="HOOK",
+        help=f"how gradients are averaged over ranks: {', '.join(COMM_HOOKS)} (default: "
+        "%(default)s, the wrapper's choice for the device and hosts)",
+    )
+    train.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=ZERO_STAGES,
+        default=0,
+        help="1: shard the optimizer state across ranks, ZeRO stage 1 (default: %(default)s)",
+    )
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="5 steps and one evaluation, for CI (default: off)",
+    )
+
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        choices=["lenet", "mlp"],
+        default="lenet",
+        help="mlp: the benchmark's 16.8M-parameter MLP, which shows communication in a "
+        "timeline (default: %(default)s)",
+    )
     # Width 2 (20-40-100) with BatchNorm: the tutorial's 10-20-50 net tops out near 88% on
     # Fashion-MNIST; width 3 gains little in a short run and costs 1.6x the compute.
-    p.add_argument(
-        "--width", type=positive(int), default=2, help="LeNet width multiplier (1 = tutorial)"
+    model.add_argument(
+        "--width",
+        type=positive(int),
+        default=2,
+        help="LeNet width multiplier; 1 with --dropout 0.5 --no-batchnorm is the tutorial's "
+        "net (default: %(default)s)",
     )
-    p.add_argument("--dropout", type=probability, default=0.1)
-    p.add_argument("--global-batch-size", type=int, default=256)
-    p.add_argument("--lr", type=positive(float), default=0.2)
-    p.add_argument("--momentum", type=non_negative(float), default=0.9)
-    p.add_argument("--weight-decay", type=non_negative(float), default=5e-4)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--checkpoint-dir", default=None)
-    p.add_argument(
-        "--resume", default=None, help="'auto' (latest valid in --checkpoint-dir) or a path"
+    model.add_argument(
+        "--dropout",
+        type=probability,
+        default=0.1,
+        help="dropout probability (default: %(default)s)",
     )
-    p.add_argument("--log-dir", default=None, help="writes metrics.jsonl there (rank 0)")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--comm-hook", choices=COMM_HOOKS, default="default")
-    p.add_argument("--zero-stage", type=int, choices=ZERO_STAGES, default=0)
-    p.add_argument(
+    model.add_argument(
         "--batchnorm",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="BatchNorm after each conv and the hidden layer (default: on)",
     )
-    p.add_argument(
+    model.add_argument(
+        "--sync-batchnorm",
+        action="store_true",
+        help="BatchNorm statistics over the global batch; implies --batchnorm (default: off)",
+    )
+    model.add_argument(
         "--channels-last",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="LeNet's weights in NHWC layout (default: on, off with --zero-stage 1, whose "
         "flat shards need contiguous parameters)",
     )
-    p.add_argument(
-        "--sync-batchnorm", action="store_true", help="BatchNorm over the global batch (implies it)"
+
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="write checkpoints there, keeping the best by test accuracy too (default: none, "
+        "no checkpoints)",
     )
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--dry-run", action="store_true", help="5 steps and one evaluation, for CI")
-    p.add_argument("--target-acc", type=float, default=None)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--debug", action="store_true", help="tracebacks for errors (DDPTRAIN_DEBUG=1)")
-    p.add_argument(
+    ckpt.add_argument(
+        "--checkpoint-every-steps",
+        type=positive(int),
+        default=None,
+        metavar="N",
+        help="checkpoint every N optimizer steps instead of at each epoch's end; one is "
+        "always written at the end (default: each epoch)",
+    )
+    ckpt.add_argument(
+        "--keep-last",
+        type=positive(int),
+        default=None,
+        metavar="K",
+        help="keep the newest K checkpoints (and the best one), delete older ones "
+        f"(default: {TrainerConfig.keep_last})",
+    )
+    ckpt.add_argument(
+        "--resume",
+        default=None,
+        metavar="{auto,PATH}",
+        help="auto: the newest valid checkpoint in --checkpoint-dir, moving newer invalid ones "
+        "into its invalid/ subfolder, or a fresh start; or a checkpoint's path (default: "
+        "none, a fresh start)",
+    )
+
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--eval-every-steps",
+        type=positive(int),
+        default=None,
+        metavar="N",
+        help="evaluate every N optimizer steps (default: at each epoch's end)",
+    )
+    out.add_argument(
+        "--target-acc",
+        type=float,
+        default=None,
+        metavar="ACC",
+        help="exit with status 1 if the final test accuracy is below ACC, e.g. 0.99 (default: "
+        "none)",
+    )
+    out.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="write metrics.jsonl there, rank 0; then python -m ddptrain.plot DIR -o "
+        "curves.png (default: none)",
+    )
+    out.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also write TensorBoard scalars into --log-dir (default: off)",
+    )
+    out.add_argument(
         "--profile-steps",
         nargs="+",
         default=None,
         metavar="A[:B]",
-        help="trace optimizer steps A..B (A:B or A B) per rank into --log-dir",
+        help="trace optimizer steps A..B (A:B or A B) per rank into --log-dir (default: none)",
     )
-    p.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard")
-    p.add_argument(
-        "--eval-every-steps", type=positive(int), default=None, help="default: each epoch"
+    out.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (default: a bar on an interactive terminal)",
     )
-    # The benchmark's 16.8M-parameter MLP: little compute per gradient byte, so communication
-    # shows in a timeline.
-    p.add_argument("--model", choices=["lenet", "mlp"], default="lenet")
+    out.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of a user error instead of one error: line; also "
+        "DDPTRAIN_DEBUG=1 (default: off)",
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags of `argv` (default: the command line), checked together."""
+    p = build_parser()
     args = p.parse_args(argv)
     args.profile_steps = _step_range(p, args.profile_steps)
     if args.channels_last is None:
@@ -217,6 +439,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--zero-stage 1 shards flat, contiguous parameters; drop --channels-last "
             "(--zero-stage 1 turns it off by default)"
         )
+    given = [
+        flag
+        for flag, value in (
+            ("--checkpoint-every-steps", args.checkpoint_every_steps),
+            ("--keep-last", args.keep_last),
+        )
+        if value is not None
+    ]
+    if given and not args.checkpoint_dir:
+        verb = "apply" if len(given) > 1 else "applies"
+        p.error(f"{' and '.join(given)} {verb} to checkpoints; add --checkpoint-dir DIR")
+    if args.keep_last is None:
+        args.keep_last = TrainerConfig.keep_last
     return args
 
 
@@ -245,6 +480,8 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         zero_stage=args.zero_stage,
         sync_batchnorm=args.sync_batchnorm,
         checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every_steps=args.checkpoint_every_steps,
+        keep_last=args.keep_last,
         resume=args.resume,
         log_dir=args.log_dir,
         log_every_steps=5 if args.dry_run else 50,

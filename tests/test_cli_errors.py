@@ -25,7 +25,7 @@ from ddptrain.data.idx import IDXFormatError
 from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.config import TrainerConfig
 from support.error_table import GAP, doc_rows, in_order
-from support.idx_files import closed_port_url, idx_bytes, write_split
+from support.idx_files import FASHION_FIRST_LABELS, closed_port_url, idx_bytes, write_split
 
 # @record enables faulthandler on stderr, which pytest has swapped for an object without fileno.
 pytestmark = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
@@ -178,6 +178,20 @@ def test_parser_errors_and_bounded_types_raise_usage_errors():
         parser.parse_args(["--epoch", "3"])
 
 
+def test_abbreviated_flags_are_refused_with_the_whole_name_suggested():
+    """`--epoch 3` is not taken for --epochs 3 (argparse's abbreviations are off); the error
+    names the flag meant, and the whole name still works."""
+    parser = cli.ArgumentParser(prog="train.py")
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--lr", type=float)
+    assert parser.parse_args(["--epochs", "3"]).epochs == 3
+    for argv in (["--epoch", "3"], ["--epoch=3"]):
+        with pytest.raises(cli.UsageError) as info:
+            parser.parse_args(argv)
+        suggestion = "did you mean --epochs? (see train.py --help)"
+        assert str(info.value) == f"unrecognized arguments: {' '.join(argv)}; {suggestion}"
+
+
 # --------------------------------------------------------------------------- the recipe's rows
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "mnist.py"
 CLI_SECTION = "From the command line"
@@ -252,7 +266,17 @@ CLI_CASES: dict[str, CliCase] = {
     "cli-unknown-flag": CliCase(
         lambda f: _data(f, "--epcohs", "3"),
         2,
-        f"error: unrecognized arguments: --epcohs 3 (see{GAP}--help)",
+        f"error: unrecognized arguments: --epcohs 3; did you mean --epochs? (see{GAP}--help)",
+    ),
+    "cli-abbreviated-flag": CliCase(
+        lambda f: _data(f, "--epoch", "3"),
+        2,
+        f"error: unrecognized arguments: --epoch 3; did you mean --epochs? (see{GAP}--help)",
+    ),
+    "cli-keep-last-without-checkpoint-dir": CliCase(
+        lambda f: _data(f, "--keep-last", "2"),
+        2,
+        f"error: --keep-last applies to checkpoints; add --checkpoint-dir DIR (see{GAP}--help)",
     ),
     "cli-dropout-out-of-range": CliCase(
         lambda f: _data(f, "--dropout", "1.5"),
@@ -291,6 +315,31 @@ CLI_CASES: dict[str, CliCase] = {
         f"error:{GAP}train-labels-idx1-ubyte.gz: label 12 at index 7 is outside 0..9"
         f"{GAP}delete it and download it again",
     ),
+    "cli-data-dir-missing": CliCase(
+        lambda f: ["--dataset", "fashion-mnist", "--data-dir", str(f["missing"])],
+        1,
+        f"error: --data-dir{GAP}/missing does not exist; point --data-dir at a folder holding "
+        "Fashion-MNIST's four IDX files, or leave it out to read data/ and then "
+        "/usr/share/datasets/fashion-mnist",
+    ),
+    "cli-data-dir-empty": CliCase(
+        lambda f: ["--dataset", "fashion-mnist", "--data-dir", str(f["nothing"])],
+        1,
+        f"error: --data-dir{GAP}/nothing is empty; point --data-dir at",
+    ),
+    "cli-data-dir-incomplete": CliCase(
+        lambda f: ["--dataset", "fashion-mnist", "--data-dir", str(f["fashion_test"])],
+        1,
+        f"error: --data-dir{GAP}/fashion_test holds Fashion-MNIST's test split, but "
+        "train-images-idx3-ubyte.gz and train-labels-idx1-ubyte.gz are missing; point --data-dir "
+        "at",
+    ),
+    "cli-data-dir-other-dataset": CliCase(
+        lambda f: ["--data-dir", str(f["fashion"]), "--mirror", closed_port_url()],
+        1,
+        f"error: --data-dir{GAP}/fashion holds Fashion-MNIST's train and test splits, not "
+        "MNIST's; train on it with --dataset fashion-mnist, or give MNIST a --data-dir of its own",
+    ),
     "cli-offline-no-data": CliCase(
         lambda f: ["--data-dir", str(f["empty"]), "--mirror", closed_port_url()],
         1,
@@ -314,10 +363,15 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (root / "bad_labels/train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx_bytes(labels)))
     (root / "file").write_text("not a folder")
     (root / "empty").mkdir()
+    (root / "nothing").mkdir()
     (root / "ckpt").mkdir()
     for name in ("ckpt-00000001.pt", "ckpt-00000001.json"):
         (root / "ckpt" / name).write_text("{}")
-    return {name: root / name for name in ["data", "bad_labels", "file", "empty", "ckpt"]}
+    write_split(root / "fashion", "train", 480, first_labels=FASHION_FIRST_LABELS["train"])
+    write_split(root / "fashion", "t10k", 50, first_labels=FASHION_FIRST_LABELS["t10k"])
+    write_split(root / "fashion_test", "t10k", 50, first_labels=FASHION_FIRST_LABELS["t10k"])
+    names = ["data", "bad_labels", "file", "empty", "nothing", "ckpt", "fashion", "fashion_test"]
+    return {"missing": root / "missing", **{name: root / name for name in names}}
 
 
 @pytest.mark.parametrize("case_id", list(CLI_CASES))
@@ -329,6 +383,17 @@ def test_recipe_error_line(case_id: str, folders, rank0, capsys) -> None:
     assert code == case.code, err
     assert err.count("\n") == 1 and in_order(err, case.fragment), err
     assert "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("case_id", [c for c in CLI_CASES if c.startswith("cli-data-dir-")])
+def test_a_data_dir_that_cannot_serve_is_left_as_it_was(case_id: str, folders, rank0, capsys):
+    """A --data-dir holding nothing usable, or the other dataset, gains no file and no folder
+    (in particular no MNIST/raw/), and a missing one is not created."""
+    flags = CLI_CASES[case_id].flags(folders)
+    data_dir = Path(flags[flags.index("--data-dir") + 1])
+    before = sorted(data_dir.rglob("*")) if data_dir.exists() else None
+    assert cli.run_main(_recipe_main(), flags) == 1
+    assert (sorted(data_dir.rglob("*")) if data_dir.exists() else None) == before
 
 
 def test_cli_doc_table_matches_the_tests() -> None:

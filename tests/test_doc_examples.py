@@ -17,20 +17,11 @@ import torch
 from ddptrain.bench.recipe import _load_recipe
 from ddptrain.train.config import TrainerConfig
 from support.child_env import child_env
+from support.doc_blocks import python_block
 from support.idx_files import write_split
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
-
-
-def _block(doc: str, containing: str) -> str:
-    """The one ```python block of docs/`doc` (or README.md) whose text contains `containing`."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), flags=re.DOTALL)
-    found = [b for b in blocks if containing in b]
-    assert len(found) == 1, (
-        f"{doc}: expected one python block with {containing!r}, got {len(found)}"
-    )
-    return found[0]
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -43,7 +34,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def test_readme_quick_start_runs_as_one_process_and_under_torchrun(tmp_path):
     """README's train.py prints the world size it ran at and a finite mean loss, alone and at 2."""
-    (tmp_path / "train.py").write_text(_block("README.md", "ddptrain.DDP(LeNet()"))
+    (tmp_path / "train.py").write_text(python_block("README.md", "ddptrain.DDP(LeNet()"))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     for world_size, launch in ((1, [sys.executable]), (2, [*torchrun, "--nproc_per_node=2"])):
         out = _run([*launch, "train.py"], tmp_path).stdout
@@ -55,7 +46,7 @@ def test_readme_quick_start_runs_as_one_process_and_under_torchrun(tmp_path):
 
 def test_guide_trainer_example_trains_checkpoints_and_resumes_when_finished(tmp_path):
     """The guide's train.py learns and checkpoints each epoch; a rerun resumes, only evaluates."""
-    (tmp_path / "train.py").write_text(_block("docs/guide.md", "class ToyTrainer(Trainer)"))
+    (tmp_path / "train.py").write_text(python_block("docs/guide.md", "class ToyTrainer(Trainer)"))
     # 1,800 training samples, global batch 64, 3 epochs, the last batch kept.
     steps = 3 * math.ceil(1_800 / 64)
     first = _run([sys.executable, "train.py"], tmp_path).stdout
@@ -75,9 +66,9 @@ def test_guide_trainer_example_trains_checkpoints_and_resumes_when_finished(tmp_
 
 def test_guide_spawn_example_returns_every_ranks_summary(tmp_path):
     """The guide's toy_job.py and spawn call train at 2 ranks and return both ranks' summaries."""
-    (tmp_path / "train.py").write_text(_block("docs/guide.md", "class ToyTrainer(Trainer)"))
-    (tmp_path / "toy_job.py").write_text(_block("docs/guide.md", "def run(epochs)"))
-    call = _block("docs/guide.md", "ddptrain.spawn(toy_job.run")
+    (tmp_path / "train.py").write_text(python_block("docs/guide.md", "class ToyTrainer(Trainer)"))
+    (tmp_path / "toy_job.py").write_text(python_block("docs/guide.md", "def run(epochs)"))
+    call = python_block("docs/guide.md", "ddptrain.spawn(toy_job.run")
     # As the guide says: in a script, call spawn under `if __name__ == "__main__":`.
     body = "".join(f"    {line}\n" for line in call.splitlines())
     report = '    print("SUMMARIES", json.dumps(summaries))\n'
@@ -100,7 +91,7 @@ def test_guide_loads_a_recipe_checkpoint_without_ddptrain(tmp_path):
     _run([*recipe, "--dry-run", "--no-progress", "--checkpoint-dir", "ckpt"], tmp_path)
     saved = sorted((tmp_path / "ckpt").glob("ckpt-*.pt"))  # zero-padded: the last is newest
     assert saved, "the recipe saved no checkpoint"
-    snippet = _block("docs/guide.md", 'state["model"]')
+    snippet = python_block("docs/guide.md", 'state["model"]')
     snippet = re.sub(r'"ckpt/ckpt-\d+\.pt"', repr(str(saved[-1])), snippet)
     scope: dict = {}
     exec(snippet, scope)  # load_state_dict is strict: a missing or mis-shaped key raises

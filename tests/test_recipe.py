@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import re
 import subprocess
 import sys
@@ -9,8 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from ddptrain import cli
+from ddptrain.data import datasets
 from support.child_env import child_env
-from support.idx_files import MNIST_ROOT, closed_port_url, serve_folder, write_split
+from support.idx_files import (
+    FASHION_FIRST_LABELS,
+    MNIST_ROOT,
+    closed_port_url,
+    serve_folder,
+    write_split,
+)
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "mnist.py"
 REAL_RAW = MNIST_ROOT / "MNIST/raw"
@@ -70,6 +80,9 @@ def test_dry_run_under_torchrun_downloads_the_test_split_then_trains_and_checkpo
     assert final, result.stdout
     assert "steps=5" in final.group(0)
     assert "world_size=2 backend=gloo" in result.stdout
+    raw = data_dir / "MNIST" / "raw"
+    assert result.stdout.splitlines()[0] == f"data: MNIST train 640 / test 10000 from {raw}"
+    assert result.stdout.count("data: ") == 1, result.stdout  # rank 0 alone
     assert sorted(p.name for p in (data_dir / "MNIST/raw").iterdir()) == [
         "t10k-images-idx3-ubyte.gz",
         "t10k-labels-idx1-ubyte.gz",
@@ -96,6 +109,8 @@ def test_plain_python_run_and_target_acc_exit_code(tmp_path, data_dir):
         tmp_path,
     )
     assert result.returncode == 1, result.stdout + result.stderr
+    raw = data_dir / "MNIST" / "raw"
+    assert result.stdout.splitlines()[0] == f"data: MNIST train 640 / test 101 from {raw}"
     assert "world_size=1" in result.stdout
     assert "below --target-acc 1.01" in result.stdout
 
@@ -123,3 +138,110 @@ def test_a_bad_flag_is_one_line_and_exit_status_2(tmp_path):
     result = _run([sys.executable, str(RECIPE), "--lr", "-1"], tmp_path)
     assert result.returncode == 2
     assert result.stderr == "error: argument --lr: must be > 0, got -1 (see mnist.py --help)\n"
+
+
+def _recipe_module():
+    spec = importlib.util.spec_from_file_location("mnist_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# @record enables faulthandler on stderr, which pytest has swapped for an object without fileno.
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_the_system_fashion_mnist_stands_in_only_when_no_data_dir_is_given(
+    tmp_path, monkeypatch, capsys
+):
+    """Without --data-dir the recipe reads the system copy and its first line says so; with a
+    --data-dir lacking the files it stops with what that folder holds, never using the copy."""
+    system = tmp_path / "system"
+    write_split(system, "train", 64, first_labels=FASHION_FIRST_LABELS["train"])
+    write_split(system, "t10k", 20, first_labels=FASHION_FIRST_LABELS["t10k"])
+    spec = dataclasses.replace(datasets._FASHION_MNIST, fallback_dirs=(system,))
+    monkeypatch.setattr(datasets, "_FASHION_MNIST", spec)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", cli.DEBUG_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.chdir(tmp_path)  # no data/ here
+    main = _recipe_module().main
+    flags = [
+        "--dataset",
+        "fashion-mnist",
+        "--dry-run",
+        "--no-progress",
+        "--global-batch-size",
+        "16",
+    ]
+
+    assert cli.run_main(main, flags) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"data: Fashion-MNIST train 64 / test 20 from {system}"
+
+    (tmp_path / "mine").mkdir()
+    assert cli.run_main(main, [*flags, "--data-dir", "mine"]) == 1
+    out, err = capsys.readouterr()
+    assert "data: " not in out
+    assert err.startswith("error: --data-dir mine is empty; point --data-dir at"), err
+
+
+def test_help_names_a_default_for_every_flag():
+    """Each flag in `recipes/mnist.py --help` has a help line ending in its default."""
+    text = _recipe_module().build_parser().format_help()
+    entries = re.split(r"\n(?=  -)", text.split("\noptions:\n", 1)[1])
+    flags = [entry.split()[0].rstrip(",") for entry in entries]
+    assert len(flags) > 25 and "--epochs" in flags and "--keep-last" in flags, flags
+    for flag, entry in zip(flags, entries, strict=True):
+        if flag != "-h":
+            assert "(default: " in " ".join(entry.split()), entry
+
+
+def test_checkpoint_flags_reach_the_config():
+    """--checkpoint-every-steps and --keep-last set TrainerConfig's fields; left out, the
+    config's own defaults (each epoch, keep 3) hold; an abbreviation is refused."""
+    recipe = _recipe_module()
+    base = ["--checkpoint-dir", "ckpt"]
+    cfg = recipe.build_config(
+        recipe.parse_args([*base, "--checkpoint-every-steps", "7", "--keep-last", "2"])
+    )
+    assert (cfg.checkpoint_every_steps, cfg.keep_last) == (7, 2)
+    cfg = recipe.build_config(recipe.parse_args(base))
+    assert (cfg.checkpoint_every_steps, cfg.keep_last) == (None, 3)
+    with pytest.raises(cli.UsageError, match="did you mean --keep-last"):
+        recipe.parse_args([*base, "--keep", "2"])
+
+
+def test_resume_auto_under_torchrun_sets_a_truncated_checkpoint_aside(tmp_path, data_dir):
+    """Checkpoints every 2 steps; the newest cut short; --resume auto at world size 2 says once
+    which file and why, moves it intact into invalid/, resumes from step 2 and saves on."""
+    ckpt_dir = tmp_path / "ckpt"
+    flags = [
+        str(RECIPE),
+        "--data-dir",
+        str(data_dir),
+        "--no-progress",
+        "--global-batch-size",
+        "64",
+        "--checkpoint-dir",
+        str(ckpt_dir),
+        "--checkpoint-every-steps",
+        "2",
+        "--keep-last",
+        "5",
+    ]
+    first = _run([sys.executable, *flags, "--max-steps", "4"], tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    newest = ckpt_dir / "ckpt-00000004.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+
+    result = _run([*_torchrun(2), *flags, "--max-steps", "6", "--resume", "auto"], tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    notes = [line for line in result.stdout.splitlines() if line.startswith("resume='auto'")]
+    assert len(notes) == 1, result.stdout
+    assert notes[0].startswith(f"resume='auto': {newest} is 1000 bytes but ckpt-00000004.json")
+    assert notes[0].endswith(f"moved it and its sidecar to {ckpt_dir / 'invalid'}/")
+    assert f"resuming from {ckpt_dir / 'ckpt-00000002.pt'} (step 2)" in result.stdout
+    assert len((ckpt_dir / "invalid" / newest.name).read_bytes()) == 1000
+    assert sorted(p.name for p in ckpt_dir.glob("*.pt")) == [
+        "ckpt-00000002.pt",
+        "ckpt-00000004.pt",
+        "ckpt-00000006.pt",
+    ]

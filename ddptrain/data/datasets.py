@@ -3,10 +3,13 @@
     train_set = mnist("data")                  # data/MNIST/raw/, data/raw/ or data/
     test_set = fashion_mnist(train=False)      # also finds /usr/share/datasets/fashion-mnist
     download_mnist("data")                     # the files "data" lacks, MD5-checked
+    str(survey_data_dir("data", "mnist"))      # "data holds MNIST's test split, but ... missing"
 
 The two datasets share file names, so a folder is told apart by its first labels. `download=True`
 fetches missing files (through torchvision when it imports, else from the standard mirrors
-with data/download.py) and checks their MD5.
+with data/download.py) and checks their MD5. Files are downloaded only into root/<name>/raw/ of
+a root that holds none of the other dataset's files where this one's would be read: a folder of
+Fashion-MNIST never gains an MNIST/raw/ subfolder.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 @dataclass(frozen=True)
 class _Spec:
     name: str  # torchvision's class and folder name: root/<name>/raw/
+    title: str  # the name users know it by, in messages
     mean: float
     std: float
     mirrors: tuple[str, ...]
@@ -40,6 +44,7 @@ class _Spec:
 
 
 _MNIST = _Spec(
+    "MNIST",
     "MNIST",
     mean=0.1307,
     std=0.3081,
@@ -54,6 +59,7 @@ _MNIST = _Spec(
 )
 _FASHION_MNIST = _Spec(
     "FashionMNIST",
+    "Fashion-MNIST",
     mean=0.2860,
     std=0.3530,
     mirrors=("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",),
@@ -67,6 +73,7 @@ _FASHION_MNIST = _Spec(
     first_labels=((9, 0, 0, 3, 0, 2, 7, 2, 5, 5), (9, 2, 1, 1, 6, 1, 4, 6, 5, 7)),
 )
 _SPECS = (_MNIST, _FASHION_MNIST)
+_SPEC_NAMES = {"mnist": "_MNIST", "fashion-mnist": "_FASHION_MNIST"}
 
 
 def mnist(
@@ -86,9 +93,12 @@ def fashion_mnist(
     download: bool = False,
     normalize: bool = True,
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    *,
+    fallback: bool = True,
 ) -> IDXDataset:
-    """Fashion-MNIST from `root` or Debian's /usr/share/datasets/fashion-mnist; 0.2860 / 0.3530."""
-    return _load(_FASHION_MNIST, root, train, download, normalize, transform)
+    """Fashion-MNIST from `root`, then (unless fallback=False) Debian's
+    /usr/share/datasets/fashion-mnist; normalized with 0.2860 / 0.3530."""
+    return _load(_FASHION_MNIST, root, train, download, normalize, transform, fallback)
 
 
 def _split_files(train: bool) -> tuple[str, str]:
@@ -96,12 +106,12 @@ def _split_files(train: bool) -> tuple[str, str]:
     return f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"
 
 
-def _search_dirs(spec: _Spec, root: str | os.PathLike | None) -> list[Path]:
+def _search_dirs(spec: _Spec, root: str | os.PathLike | None, fallback: bool = True) -> list[Path]:
     dirs = []
     if root is not None:
         root = Path(root).expanduser()
         dirs += [root / spec.name / "raw", root / "raw", root]
-    return dirs + list(spec.fallback_dirs)
+    return dirs + list(spec.fallback_dirs if fallback else ())
 
 
 def _find_split_files(
@@ -112,23 +122,102 @@ def _find_split_files(
 
 
 def _scan(
-    spec: _Spec, root: str | os.PathLike | None, train: bool
-) -> tuple[tuple[Path, Path] | None, list[str]]:
-    """(The split's paths or None, the folders passed over because they hold another dataset)."""
+    spec: _Spec, root: str | os.PathLike | None, train: bool, fallback: bool = True
+) -> tuple[tuple[Path, Path] | None, list[tuple[Path, str]]]:
+    """(The split's paths or None, [(folder passed over, the other dataset's title it holds)])."""
     passed_over = []
-    for folder in _search_dirs(spec, root):
-        found = []
-        for stem in _split_files(train):
-            # The uncompressed file first: torchvision leaves both, and it skips the gunzip.
-            candidates = [folder / stem, folder / f"{stem}.gz"]
-            found.append(next((p for p in candidates if p.is_file()), None))
+    for folder in _search_dirs(spec, root, fallback):
+        found = [_split_file(folder, stem) for stem in _split_files(train)]
         if not all(found):
             continue
         other = _other_dataset(spec, found[1], train)
         if other is None:
             return (found[0], found[1]), passed_over
-        passed_over.append(f"{folder} holds {other}'s {'train' if train else 'test'} split")
+        passed_over.append((folder, other))
     return None, passed_over
+
+
+def _split_file(folder: Path, stem: str) -> Path | None:
+    # The uncompressed file first: torchvision leaves both, and it skips the gunzip.
+    return next((p for p in (folder / stem, folder / f"{stem}.gz") if p.is_file()), None)
+
+
+@dataclass(frozen=True)
+class DataDirSurvey:
+    """What a folder holds of one dataset, in the layouts its loader reads (no fallback folder);
+    str() says it in words for an error message."""
+
+    root: Path
+    dataset: str  # the title: "MNIST" or "Fashion-MNIST"
+    splits: tuple[str, ...]  # its complete splits found: "train", "test"
+    other: str | None  # the other dataset's title, where its split lies in this one's place
+    other_splits: tuple[str, ...]
+    present: tuple[str, ...]  # files found of splits that are incomplete
+    missing: tuple[str, ...]  # files of splits neither found nor taken by the other dataset
+
+    def __str__(self) -> str:
+        root = self.root
+        if not root.exists():
+            return f"{root} does not exist"
+        if not root.is_dir():
+            return f"{root} is not a folder"
+        held = list(self.present)
+        if self.splits:
+            held.insert(0, f"{self.dataset}'s {_splits(self.splits)}")
+        if self.other_splits:
+            held.insert(0, f"{self.other}'s {_splits(self.other_splits)}")
+        if not held:
+            entries = sorted(e.name + "/" * e.is_dir() for e in root.iterdir())
+            if not entries:
+                return f"{root} is empty"
+            shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+            return f"{root} holds none of {self.dataset}'s IDX files (only {shown})"
+        text = f"{root} holds {_and(held)}"
+        if self.other_splits:
+            text += f", not {self.dataset}'s"
+        if self.missing:
+            text += (
+                f", but {_and(self.missing)} {'is' if len(self.missing) == 1 else 'are'} missing"
+            )
+        return text
+
+
+def survey_data_dir(root: str | os.PathLike, dataset: str) -> DataDirSurvey:
+    """What `root` holds of `dataset` ("mnist" or "fashion-mnist"), ignoring fallback folders."""
+    # Looked up at call time, so a test's replaced spec (other mirrors, fallbacks) is the one used.
+    return _survey(globals()[_SPEC_NAMES[dataset]], root)
+
+
+def _survey(spec: _Spec, root: str | os.PathLike) -> DataDirSurvey:
+    root = Path(root).expanduser()
+    splits, other, other_splits, present, missing = [], None, [], [], []
+    for train in (True, False):
+        split = "train" if train else "test"
+        paths, passed_over = _scan(spec, root, train, fallback=False)
+        if paths is not None:
+            splits.append(split)
+        elif passed_over:
+            other = passed_over[0][1]
+            other_splits.append(split)
+        else:
+            for stem in _split_files(train):
+                found = [_split_file(d, stem) for d in _search_dirs(spec, root, fallback=False)]
+                found = [f for f in found if f is not None]
+                if found:
+                    present.append(found[0].name)
+                else:
+                    missing.append(f"{stem}.gz")
+    return DataDirSurvey(
+        root, spec.title, tuple(splits), other, tuple(other_splits), tuple(present), tuple(missing)
+    )
+
+
+def _splits(splits: Sequence[str]) -> str:
+    return f"{' and '.join(splits)} split{'s' if len(splits) > 1 else ''}"
+
+
+def _and(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def _other_dataset(spec: _Spec, labels_path: Path, train: bool) -> str | None:
@@ -137,7 +226,7 @@ def _other_dataset(spec: _Spec, labels_path: Path, train: bool) -> str | None:
     for other in _SPECS:
         known = other.first_labels[0 if train else 1]
         if other.name != spec.name and known and first == known:
-            return other.name
+            return other.title
     return None
 
 
@@ -154,28 +243,48 @@ def _first_labels(path: Path, n: int = 10) -> tuple[int, ...]:
     return tuple(data[8:])
 
 
-def _load(spec, root, train, download, normalize, transform) -> IDXDataset:
-    paths, passed_over = _scan(spec, root, train)
+def _load(spec, root, train, download, normalize, transform, fallback=True) -> IDXDataset:
+    paths, passed_over = _scan(spec, root, train, fallback)
     if paths is None and download:
         if root is None:
-            raise ValueError(f"{spec.name}: download=True needs a root folder to download into")
+            raise ValueError(f"{spec.title}: download=True needs a root folder to download into")
         _fetch(spec, Path(root).expanduser(), train)
-        paths, passed_over = _scan(spec, root, train)
+        paths, passed_over = _scan(spec, root, train, fallback)
     if paths is None:
+        split = "train" if train else "test"
         names = " and ".join(f"{s}.gz" for s in _split_files(train))
-        searched = ", ".join(str(d) for d in _search_dirs(spec, root)) or "(no root given)"
-        skipped = "".join(f" (passed over: {note})" for note in passed_over)
+        searched = ", ".join(str(d) for d in _search_dirs(spec, root, fallback))
+        # What root holds says it all for root's own folders; a fallback folder passed over
+        # (it holds the other dataset) is named apart.
+        held = f": {_survey(spec, root)}" if root is not None else ""
+        fallbacks = spec.fallback_dirs if fallback else ()
+        skipped = "".join(
+            f" (passed over: {folder} holds {other}'s {split} split)"
+            for folder, other in passed_over
+            if folder in fallbacks
+        )
         raise FileNotFoundError(
-            f"{spec.name} {'train' if train else 'test'} split not found; looked in {searched}"
-            f"{skipped}. Put {names} in <root>/{spec.name}/raw/ (or any folder passed as root), "
-            "or pass download=True"
+            f"{spec.title} {split} split not found; looked in {searched or '(no root given)'}"
+            f"{held}{skipped}. Put {names} in <root>/{spec.name}/raw/ (or any folder passed as "
+            "root), or pass download=True"
         )
     stats = {"mean": spec.mean, "std": spec.std} if normalize else {}
     return IDXDataset.from_files(*paths, num_classes=10, transform=transform, **stats)
 
 
+def _check_download_root(spec: _Spec, root: str | os.PathLike) -> None:
+    """Refuse to download into a root that holds the other dataset where this one's goes."""
+    survey = _survey(spec, root)
+    if survey.other_splits:
+        raise FileNotFoundError(
+            f"{survey}; {spec.title} is downloaded only into a folder that holds no other "
+            f"dataset: load this one as {survey.other}, or choose another folder for {spec.title}"
+        )
+
+
 def _fetch(spec: _Spec, root: Path, train: bool) -> Path:
     """Download the split's two files into root/<name>/raw/ (MD5-checked); return the folder."""
+    _check_download_root(spec, root)
     dest = root / spec.name / "raw"
     try:
         # torchvision's mirror list is maintained upstream; ours is the fallback without it.
@@ -198,7 +307,8 @@ def download_mnist(root: str | os.PathLike, mirrors: Sequence[str] | None = None
     """Fetch the MNIST files `root` lacks into root/MNIST/raw/ (MD5-checked); return that folder.
 
     `mirrors` are base URLs (https://, http:// or file://) tried in order; None means the
-    standard ones. A split already found under `root` (any layout `mnist()` reads) is left alone.
+    standard ones. A split already found under `root` (any layout `mnist()` reads) is left alone;
+    a root holding Fashion-MNIST where MNIST's files would be read is refused, untouched.
     """
     dest = Path(root).expanduser() / _MNIST.name / "raw"
     missing = [
@@ -208,5 +318,6 @@ def download_mnist(root: str | os.PathLike, mirrors: Sequence[str] | None = None
         for stem in _split_files(train)
     ]
     if missing:
+        _check_download_root(_MNIST, root)
         download_files({n: _MNIST.md5[n] for n in missing}, mirrors or _MNIST.mirrors, dest)
     return dest

@@ -6,6 +6,8 @@
     save_checkpoint("ckpts", state, step=step, epoch=epoch, metrics={"val_loss": 0.31},
                     keep_last=3, best_metric="val_loss")          # rank 0 only
     path = latest_checkpoint("ckpts")                             # newest VALID one, or None
+    path, skipped = latest_valid_checkpoint("ckpts")              # ... and the invalid newer ones
+    set_aside_checkpoint(skipped[0][0])                           # into ckpts/invalid/, kept
     state = load_checkpoint(path)                                 # weights_only: nothing executes
     load_model_state(model, state["model"])                       # names keys of another model
     restore_rng_state(state["rng"])
@@ -34,13 +36,16 @@ import torch
 
 from ddptrain.train.checkpoint_io import (
     BEST_POINTER,
+    INVALID_DIR,
     CheckpointError,
     best_checkpoint,
     check_writable,
     checkpoint_name,
     latest_checkpoint,
+    latest_valid_checkpoint,
     list_checkpoints,
     parse_step,
+    set_aside_checkpoint,
     verify_checkpoint,
     write_checkpoint,
 )
@@ -54,6 +59,7 @@ __all__ = [
     "BEST_POINTER",
     "FORMAT_KEY",
     "FORMAT_VERSION",
+    "INVALID_DIR",
     "CheckpointError",
     "best_checkpoint",
     "capture_rng_state",
@@ -61,12 +67,14 @@ __all__ = [
     "check_writable",
     "checkpoint_name",
     "latest_checkpoint",
+    "latest_valid_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_model_state",
     "parse_step",
     "restore_rng_state",
     "save_checkpoint",
+    "set_aside_checkpoint",
     "verify_checkpoint",
 ]
 

@@ -3,13 +3,16 @@
     path = write_checkpoint("ckpts", 1000, lambda f: torch.save(payload, f), sidecar,
                             keep_last=3, best_metric="val_loss", best_mode="min")
     verify_checkpoint(path)            # its sidecar exists and matches: size and sha256
-    latest_checkpoint("ckpts")         # newest valid one, or None; best_checkpoint via best.json
+    latest_checkpoint("ckpts")         # newest valid one, or None (warns of newer invalid ones)
+    path, skipped = latest_valid_checkpoint("ckpts")   # ... and [(invalid path, why), ...]
+    set_aside_checkpoint(skipped[0][0])  # into ckpts/invalid/, out of every listing, kept
 
 A directory holds `ckpt-00001000.pt`, its sidecar `ckpt-00001000.json` and `best.json` once a
 best metric is used. Every file is written to a temp file, fsynced, renamed, and the directory
 fsynced; the sidecar only after the .pt is in place. A .pt counts as valid only when its sidecar
 exists and matches it, so a save killed at any point leaves the earlier checkpoints valid. One
 writer per directory. What goes into the .pt is checkpoint.py's business; this module stores bytes.
+Checkpoints set aside live in the `invalid/` subfolder: never listed, resumed from or pruned.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from pathlib import Path
 from typing import IO, Any
 
 BEST_POINTER = "best.json"
+# Where set_aside_checkpoint moves invalid checkpoints: a subfolder, so listing and pruning
+# (which read only the directory's own entries) never see them again.
+INVALID_DIR = "invalid"
 
 _TEMP_RE = re.compile(r"^\.(?:ckpt-\d{8,}\.(?:pt|json)|best\.json)\.[0-9a-f]{16}\.tmp$")
 _SIDECAR_KEYS = ("step", "size_bytes", "sha256", "metrics")
@@ -88,27 +94,30 @@ def write_checkpoint(
 def verify_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Return the sidecar of `path` if it exists and its size and sha256 match, else raise."""
     path = Path(path)
-    sidecar_path = path.with_suffix(".json")
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist; pick one with latest_checkpoint(dir)")
+    sidecar, problem = _check_sidecar(path)
+    if problem is not None:
+        skips = " (latest_checkpoint skips this one)" if sidecar is None else ""
+        raise CheckpointError(f"{path} {problem}; resume from an earlier checkpoint{skips}")
+    return sidecar
+
+
+def _check_sidecar(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(The sidecar of an existing `path` or None, what is wrong with the pair or None)."""
+    sidecar_path = path.with_suffix(".json")
     sidecar = _read_sidecar(path)
     if sidecar is None:
-        raise CheckpointError(
-            f"{path} has no valid sidecar {sidecar_path.name}: its save did not finish; "
-            "resume from an earlier checkpoint (latest_checkpoint skips this one)"
-        )
+        return None, f"has no valid sidecar {sidecar_path.name}: its save did not finish"
     size = path.stat().st_size
     if size != sidecar["size_bytes"]:
-        raise CheckpointError(
-            f"{path} is {size} bytes but {sidecar_path.name} records {sidecar['size_bytes']}: "
-            "the file was truncated or modified; resume from an earlier checkpoint"
+        return sidecar, (
+            f"is {size} bytes but {sidecar_path.name} records {sidecar['size_bytes']}: "
+            "the file was truncated or modified"
         )
     if _sha256_file(path) != sidecar["sha256"]:
-        raise CheckpointError(
-            f"{path} does not match the sha256 in {sidecar_path.name}: the file is corrupted; "
-            "resume from an earlier checkpoint"
-        )
-    return sidecar
+        return sidecar, f"does not match the sha256 in {sidecar_path.name}: the file is corrupted"
+    return sidecar, None
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -121,15 +130,62 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """Newest checkpoint in `directory` whose sidecar matches it, or None (for resume="auto")."""
+    """Newest checkpoint in `directory` whose sidecar matches it, or None; warns of newer ones."""
+    path, skipped = latest_valid_checkpoint(directory)
+    for invalid, reason in skipped:
+        warnings.warn(f"skipping invalid checkpoint: {invalid} {reason}", stacklevel=2)
+    return path
+
+
+def latest_valid_checkpoint(
+    directory: str | os.PathLike,
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(Newest checkpoint whose sidecar matches it or None, [(each newer one, why invalid)])."""
+    skipped = []
     for path in reversed(list_checkpoints(directory)):
-        try:
-            verify_checkpoint(path)
-        except CheckpointError as e:
-            warnings.warn(f"skipping invalid checkpoint: {e}", stacklevel=2)
-            continue
-        return path
-    return None
+        _, problem = _check_sidecar(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
+
+
+def set_aside_checkpoint(path: str | os.PathLike) -> Path:
+    """Move a checkpoint and its sidecar into the `invalid/` subfolder (never overwriting
+    anything there) and return its new path: kept for inspection, no longer a checkpoint."""
+    path = Path(path)
+    aside = path.parent / INVALID_DIR
+    try:
+        aside.mkdir(exist_ok=True)
+        dest = aside / path.name
+        copy = 0
+        while dest.exists() or dest.with_suffix(".json").exists():
+            copy += 1
+            dest = aside / f"{path.stem}.{copy}{path.suffix}"
+        # Sidecar first: a crash between the two renames leaves a .pt without a sidecar, which
+        # is invalid still and set aside next time, never a sidecar vouching for a moved file.
+        if path.with_suffix(".json").exists():
+            os.rename(path.with_suffix(".json"), dest.with_suffix(".json"))
+        os.rename(path, dest)
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot move the invalid checkpoint {path} into {aside}/: {e.strerror or e}; move "
+            f"it (and its .json) out of {path.parent} yourself"
+        ) from None
+    _fsync_dir(aside)
+    _fsync_dir(path.parent)
+    _repoint_best(path.parent, path.name)
+    return dest
+
+
+def _repoint_best(directory: Path, moved: str) -> None:
+    """Point best.json away from a checkpoint that was moved, to the best one still there."""
+    try:
+        best = json.loads((directory / BEST_POINTER).read_text())
+        if best["file"] == moved:
+            _update_best_pointer(directory, best["metric"], best["mode"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no pointer, or an unreadable one best_checkpoint reports itself
 
 
 def best_checkpoint(directory: str | os.PathLike) -> Path | None:
@@ -177,7 +233,7 @@ def check_writable(directory: str | os.PathLike, *, required_bytes: int = 0) -> 
         raise CheckpointError(
             f"only {free / 2**20:.1f} MiB free on the filesystem of {directory}, but "
             f"checkpoints need about {required_bytes / 2**20:.1f} MiB; free some space, lower "
-            "keep_last, or choose another directory"
+            "keep_last (recipe: --keep-last), or choose another directory"
         )
     return directory
 

@@ -15,6 +15,7 @@ same CheckpointError instead of the others hanging in the next collective.
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ def read_resume_state(
     if info.is_main:
         try:
             auto = cfg.resume == "auto"
-            path = ckpt.latest_checkpoint(cfg.checkpoint_dir) if auto else cfg.resume
+            path = _latest_setting_aside_invalid(cfg.checkpoint_dir) if auto else cfg.resume
             if path is not None:
                 state = ckpt.load_checkpoint(path)
                 try:
@@ -62,10 +63,13 @@ def read_resume_state(
                 except ckpt.CheckpointError as e:
                     raise ckpt.CheckpointError(f"{path}: {e}") from None
                 cfg.check_resumable(state.get("config", {}))
-                _refuse_later_checkpoints(cfg, int(state["step"]))
+                if not auto:
+                    _refuse_later_checkpoints(cfg, int(state["step"]))
                 print0(f"resuming from {path} (step {state['step']})")
             elif cfg.resume == "auto":
-                print0(f"resume='auto': no checkpoint in {cfg.checkpoint_dir}; starting fresh")
+                print0(
+                    f"resume='auto': no valid checkpoint in {cfg.checkpoint_dir}; starting fresh"
+                )
         except Exception as e:  # noqa: BLE001 - any failure must reach every rank
             error = str(e)
     state, error = broadcast_object((state, error))
@@ -152,6 +156,16 @@ def save_training_state(
         raise ckpt.CheckpointError(error)
 
 
+def _latest_setting_aside_invalid(directory: str) -> Path | None:
+    """The newest valid checkpoint in `directory`; each newer, invalid one is moved into its
+    invalid/ subfolder with one line saying why, so resume='auto' never stops behind it."""
+    path, skipped = ckpt.latest_valid_checkpoint(directory)
+    for invalid, reason in skipped:
+        moved = ckpt.set_aside_checkpoint(invalid)
+        print0(f"resume='auto': {invalid} {reason}; moved it and its sidecar to {moved.parent}/")
+    return path
+
+
 def _refuse_later_checkpoints(cfg: TrainerConfig, step: int) -> None:
     """Resuming behind newer checkpoints would later collide with their step numbers."""
     if not cfg.checkpoint_dir:
@@ -164,6 +178,9 @@ def _refuse_later_checkpoints(cfg: TrainerConfig, step: int) -> None:
     if later:
         raise ckpt.CheckpointError(
             f"resuming from step {step}, but {cfg.checkpoint_dir} already holds later "
-            f"checkpoints ({', '.join(later[:3])}{', ...' if len(later) > 3 else ''}); move "
-            "them away, resume from the latest with resume='auto', or use another checkpoint_dir"
+            f"checkpoints ({', '.join(later[:3])}{', ...' if len(later) > 3 else ''}), whose "
+            "step numbers this run would write again; resume from the newest with "
+            "resume='auto' (recipe: --resume auto), which sets aside any that fail "
+            "verification, move the later ones out of the directory, or use another "
+            "checkpoint_dir"
         )

@@ -14,7 +14,13 @@ import torch
 from torch.utils.data import DataLoader
 
 import ddptrain.data.datasets
-from ddptrain.data.datasets import DEBIAN_FASHION_MNIST, fashion_mnist, mnist
+from ddptrain.data.datasets import (
+    DEBIAN_FASHION_MNIST,
+    download_mnist,
+    fashion_mnist,
+    mnist,
+    survey_data_dir,
+)
 from ddptrain.data.download import download_files
 from ddptrain.data.idx import IDXDataset, IDXFormatError, read_idx
 from support.idx_files import MNIST_ROOT, MNIST_TEST_LABEL_COUNTS, idx_bytes, write_split
@@ -241,9 +247,12 @@ def test_a_folder_holding_the_other_dataset_is_passed_over(tmp_path, monkeypatch
     shutil.rmtree(own)
     with pytest.raises(FileNotFoundError) as info:
         load(tmp_path / "root", train=train)
-    other_name = "FashionMNIST" if wanted == "mnist" else "MNIST"
+    other_name, own_name = (
+        ("Fashion-MNIST", "MNIST") if wanted == "mnist" else ("MNIST", "Fashion-MNIST")
+    )
     split = "train" if train else "test"
-    assert f"passed over: {tmp_path / 'root'} holds {other_name}'s {split} split" in str(info.value)
+    held = f"{tmp_path / 'root'} holds {other_name}'s {split} split, not {own_name}'s"
+    assert held in str(info.value)
 
 
 @needs_mnist
@@ -294,3 +303,76 @@ def test_idx_dataset_rejects_images_that_are_not_uint8_nhw():
         IDXDataset(torch.zeros(2, 28, 28), torch.zeros(2))
     with pytest.raises(ValueError, match="2 images but 3 targets"):
         IDXDataset(torch.zeros(2, 28, 28, dtype=torch.uint8), torch.zeros(3))
+
+
+def _survey_case(root: Path, case: str) -> None:
+    if case == "file":
+        root.write_text("not a folder")
+    elif case != "missing":
+        root.mkdir()
+    if case == "other files":
+        (root / "notes.txt").write_text("x")
+        (root / "sub").mkdir()
+    elif case == "fashion":
+        write_split(root, "train", 20, first_labels=FASHION_FIRST["train"])
+        write_split(root, "t10k", 10, first_labels=FASHION_FIRST["t10k"])
+    elif case == "mnist test split":
+        write_split(root / "MNIST/raw", "t10k", 10, first_labels=MNIST_FIRST["t10k"])
+    elif case == "half a split":
+        write_split(root / "raw", "t10k", 10, first_labels=MNIST_FIRST["t10k"], gz=False)
+        (root / "raw/t10k-labels-idx1-ubyte").unlink()
+
+
+_TRAIN_FILES = "train-images-idx3-ubyte.gz and train-labels-idx1-ubyte.gz are missing"
+
+
+@pytest.mark.parametrize(
+    "case, said",
+    [
+        ("missing", "does not exist"),
+        ("file", "is not a folder"),
+        ("empty", "is empty"),
+        ("other files", "holds none of MNIST's IDX files (only notes.txt, sub/)"),
+        ("fashion", "holds Fashion-MNIST's train and test splits, not MNIST's"),
+        ("mnist test split", f"holds MNIST's test split, but {_TRAIN_FILES}"),
+        (
+            "half a split",
+            "holds t10k-images-idx3-ubyte, but train-images-idx3-ubyte.gz, "
+            "train-labels-idx1-ubyte.gz and t10k-labels-idx1-ubyte.gz are missing",
+        ),
+    ],
+)
+def test_survey_says_what_a_folder_holds_of_mnist(tmp_path, case, said):
+    """A data folder is described by what it holds: nothing, other files, the other dataset's
+    splits, or a part of MNIST with the files it lacks named."""
+    root = tmp_path / "root"
+    _survey_case(root, case)
+    assert str(survey_data_dir(root, "mnist")) == f"{root} {said}"
+
+
+def test_a_folder_holding_fashion_mnist_is_never_downloaded_into(tmp_path, offline):
+    """download_mnist and mnist(download=True) refuse a Fashion-MNIST folder before touching the
+    network or the disk: no MNIST/raw/ appears in it."""
+    root = tmp_path / "fashion"
+    _survey_case(root, "fashion")
+    before = sorted(root.rglob("*"))
+    for call in (lambda: download_mnist(root), lambda: mnist(root, download=True)):
+        with pytest.raises(FileNotFoundError) as info:
+            call()
+        assert str(info.value).startswith(f"{root} holds Fashion-MNIST's train and test splits")
+        assert "downloaded only into a folder that holds no other dataset" in str(info.value)
+    assert sorted(root.rglob("*")) == before and offline == []
+
+
+def test_fashion_mnist_reads_only_root_without_fallback(tmp_path, monkeypatch):
+    """fallback=False: a root without the files is an error saying what it holds, even though
+    the fallback folder has them (as fallback=True shows)."""
+    system = tmp_path / "system"
+    write_split(system, "t10k", 10, first_labels=FASHION_FIRST["t10k"])
+    spec = dataclasses.replace(ddptrain.data.datasets._FASHION_MNIST, fallback_dirs=(system,))
+    monkeypatch.setattr(ddptrain.data.datasets, "_FASHION_MNIST", spec)
+    (tmp_path / "empty").mkdir()
+    assert fashion_mnist(tmp_path / "empty", train=False).paths[1].parent == system
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'empty'} is empty") as info:
+        fashion_mnist(tmp_path / "empty", train=False, fallback=False)
+    assert str(system) not in str(info.value)

@@ -40,8 +40,14 @@ def write_split(
         path.write_bytes(gzip.compress(data) if gz else data)
 
 
+# The first ten labels of Fashion-MNIST's splits, by which ddptrain tells its files from MNIST's.
+FASHION_FIRST_LABELS = {
+    "train": (9, 0, 0, 3, 0, 2, 7, 2, 5, 5),
+    "t10k": (9, 2, 1, 1, 6, 1, 4, 6, 5, 7),
+}
+
 # The real MNIST test split CI places beside the repo (../shared), and its known label counts.
-MNIST_ROOT = Path(__file__).resolve().parents[2] / "shared/data/mnist"
+MNIST_ROOT = Path(__file__).resolve().parents[3] / "shared/data/mnist"
 MNIST_TEST_LABEL_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
 

@@ -150,6 +150,75 @@ def test_check_writable_on_read_only_directory(tmp_path):
 
 
 def test_check_writable_reports_too_little_free_space(tmp_path):
-    """Asking for more bytes than the filesystem has free fails before training starts."""
-    with pytest.raises(CheckpointError, match="MiB free on the filesystem"):
+    """Asking for more bytes than the filesystem has free fails before training starts, and
+    the fix it offers names the recipe's flag for keep_last."""
+    with pytest.raises(CheckpointError, match="MiB free on the filesystem") as info:
         check_writable(tmp_path, required_bytes=2**62)
+    assert "lower keep_last (recipe: --keep-last)" in str(info.value)
+
+
+def _truncate(path) -> bytes:
+    """Cut `path` to half its size, keeping its sidecar; return the bytes left."""
+    data = path.read_bytes()[: path.stat().st_size // 2]
+    path.write_bytes(data)
+    return data
+
+
+def test_latest_valid_checkpoint_names_each_newer_invalid_one_and_why(tmp_path):
+    """Past a truncated newest and an unfinished save it finds step 1, and says why for each;
+    latest_checkpoint finds the same and warns once per skipped file."""
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, tiny_state(step), step=step)
+    _truncate(tmp_path / "ckpt-00000003.pt")
+    (tmp_path / "ckpt-00000002.json").unlink()
+    path, skipped = ckpt.latest_valid_checkpoint(tmp_path)
+    assert path == tmp_path / "ckpt-00000001.pt"
+    assert [p.name for p, _ in skipped] == ["ckpt-00000003.pt", "ckpt-00000002.pt"]
+    assert "but ckpt-00000003.json records" in skipped[0][1] and "truncated" in skipped[0][1]
+    assert skipped[1][1] == "has no valid sidecar ckpt-00000002.json: its save did not finish"
+    with pytest.warns(UserWarning) as caught:
+        assert latest_checkpoint(tmp_path) == path
+    assert len(caught) == 2
+
+
+def test_set_aside_moves_a_checkpoint_into_invalid_where_it_is_kept_and_never_pruned(tmp_path):
+    """The .pt and its sidecar move, bytes intact, into invalid/; it is no longer listed, a second
+    file of the same name does not overwrite the first, and retention never deletes either."""
+    save_checkpoint(tmp_path, tiny_state(1), step=1)
+    save_checkpoint(tmp_path, tiny_state(2), step=2)
+    cut = _truncate(tmp_path / "ckpt-00000002.pt")
+    moved = ckpt.set_aside_checkpoint(tmp_path / "ckpt-00000002.pt")
+    assert moved == tmp_path / ckpt.INVALID_DIR / "ckpt-00000002.pt"
+    assert moved.read_bytes() == cut and moved.with_suffix(".json").is_file()
+    assert list_checkpoints(tmp_path) == [tmp_path / "ckpt-00000001.pt"]
+
+    save_checkpoint(tmp_path, tiny_state(2), step=2)
+    (tmp_path / "ckpt-00000002.json").unlink()
+    again = ckpt.set_aside_checkpoint(tmp_path / "ckpt-00000002.pt")
+    assert again == tmp_path / ckpt.INVALID_DIR / "ckpt-00000002.1.pt"
+    assert moved.read_bytes() == cut
+
+    for step in range(3, 7):
+        save_checkpoint(tmp_path, tiny_state(step), step=step, keep_last=1)
+    assert file_names(tmp_path / ckpt.INVALID_DIR) == [
+        "ckpt-00000002.1.pt",
+        "ckpt-00000002.json",
+        "ckpt-00000002.pt",
+    ]
+    assert list_checkpoints(tmp_path) == [tmp_path / "ckpt-00000006.pt"]
+
+
+def test_set_aside_points_best_json_at_the_best_checkpoint_left(tmp_path):
+    """best.json naming the checkpoint set aside is recomputed from those still there."""
+    for step, value in [(1, 0.5), (2, 0.7), (3, 0.9)]:
+        save_checkpoint(
+            tmp_path,
+            tiny_state(),
+            step=step,
+            metrics={"acc": value},
+            best_metric="acc",
+            best_mode="max",
+        )
+    assert best_checkpoint(tmp_path) == tmp_path / "ckpt-00000003.pt"
+    ckpt.set_aside_checkpoint(tmp_path / "ckpt-00000003.pt")
+    assert best_checkpoint(tmp_path) == tmp_path / "ckpt-00000002.pt"

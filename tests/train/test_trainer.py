@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -215,6 +218,43 @@ def test_resuming_behind_later_checkpoints_is_refused_at_start(tmp_path):
     runs = [(_config(tmp_path, epochs=2),), (_config(tmp_path, epochs=2, resume=older),)]
     [[_, refused]] = ddptrain.spawn(_run_fits, 1, runs, timeout_s=240)
     assert refused[0] == "error" and "already holds later checkpoints" in refused[1]
+
+
+def _fit_printing(config: TrainerConfig) -> tuple[int, str]:
+    """Fit a ToyTrainer; the step it ended at and what this rank printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        summary, _ = _run_fit(config)
+    return summary["step"], out.getvalue()
+
+
+def test_resume_auto_sets_a_truncated_newest_checkpoint_aside_and_resumes_before_it(tmp_path):
+    """resume='auto' behind a truncated newest checkpoint: rank 0 alone says in one line which
+    file and why, the file moves intact into invalid/, and the run resumes from the one before."""
+    cfg = _config(tmp_path, epochs=1)  # 8 steps: checkpoints at steps 5 and 8
+    ddptrain.spawn(_run_fit, 1, cfg, timeout_s=120)
+    directory = tmp_path / "ckpt"
+    newest = directory / ckpt.checkpoint_name(8)
+    newest.write_bytes(newest.read_bytes()[:1000])
+    (step0, out0), (step1, out1) = ddptrain.spawn(
+        _fit_printing, 2, replace(cfg, resume="auto"), timeout_s=120
+    )
+    assert step0 == step1 == 8
+    notes = [line for line in out0.splitlines() if line.startswith("resume='auto'")]
+    assert len(notes) == 1, out0
+    assert re.fullmatch(
+        re.escape(f"resume='auto': {newest} is 1000 bytes but ckpt-00000008.json records ")
+        + r"\d+"
+        + re.escape(
+            f": the file was truncated or modified; moved it and its sidecar to "
+            f"{directory / ckpt.INVALID_DIR}/"
+        ),
+        notes[0],
+    ), notes[0]
+    assert f"resuming from {directory / ckpt.checkpoint_name(5)} (step 5)" in out0
+    assert "resum" not in out1, out1
+    assert len((directory / ckpt.INVALID_DIR / newest.name).read_bytes()) == 1000
+    ckpt.verify_checkpoint(newest)  # step 8 trained and saved again
 
 
 def test_unwritable_checkpoint_dir_fails_before_any_training_step(tmp_path):
