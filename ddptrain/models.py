@@ -1,8 +1,10 @@
 """Reference models used by the recipe, the benchmark and the tests.
 
-from ddptrain.models import LeNet
+from ddptrain.models import LeNet, MLP, conv_net
 model = LeNet()            # 1x28x28 input, 10 log-probabilities out
 model = LeNet(batchnorm=True)   # BatchNorm after each conv and the hidden layer
+model = MLP()              # 16.8M parameters, little compute each: communication shows
+model = conv_net()         # 3x32x32 input: compute-heavy
 """
 
 from __future__ import annotations
@@ -39,3 +41,38 @@ class LeNet(nn.Module):
         x = F.relu(self.bn3(self.fc1(x)))
         x = F.dropout(x, p=self.dropout, training=self.training)
         return F.log_softmax(self.fc2(x), dim=1)
+
+
+class MLP(nn.Module):
+    """Communication-heavy: ~16.8M parameters, little compute per parameter at batch 32."""
+
+    def __init__(self, width: int = 2240, depth: int = 4) -> None:
+        super().__init__()
+        dims = [784] + [width] * depth
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims, dims[1:], strict=False))
+        self.out = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        for layer in self.hidden:
+            x = F.relu(layer(x))
+        return self.out(x)
+
+
+def conv_net() -> nn.Module:
+    """Compute-heavy: ~0.24M parameters, four 3x3 convolutions on 3x32x32 images."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(128, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(128, 10),
+    )

@@ -40,7 +40,6 @@ import torch
 import torch.nn.functional as F
 
 import ddptrain
-from ddptrain.bench.models import MLP
 from ddptrain.cli import (
     ArgumentParser,
     non_negative,
@@ -57,7 +56,7 @@ from ddptrain.data.datasets import (
     survey_data_dir,
 )
 from ddptrain.data.download import DownloadError
-from ddptrain.models import LeNet
+from ddptrain.models import MLP, LeNet
 from ddptrain.train.config import COMM_HOOKS, PRECISIONS, ZERO_STAGES, TrainerConfig
 from ddptrain.train.trainer import Trainer
 

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import ddptrain
-from ddptrain.bench.models import MLP
 from ddptrain.bench.report import machine
+from ddptrain.models import MLP
 from ddptrain.train.config import COMM_HOOKS
 
 

@@ -12,8 +12,7 @@ import math
 import pytest
 
 from ddptrain.bench import memory, recipe, recipe_report
-from ddptrain.bench.models import MLP
-from ddptrain.models import LeNet
+from ddptrain.models import MLP, LeNet
 
 # The recipe's default model: LeNet width 2 with BatchNorm.
 LENET_RECIPE_PARAMETERS = sum(p.numel() for p in LeNet(width=2, batchnorm=True).parameters())
