@@ -290,6 +290,22 @@ def build_parser() -> argparse.ArgumentParser:
         "%(default)s, the wrapper's choice for the device and hosts)",
     )
     train.add_argument(
+        "--powersgd-rank",
+        type=positive(int),
+        default=TrainerConfig.powersgd_rank,
+        metavar="R",
+        help="--comm-hook powersgd: the rank each weight's gradient is compressed to "
+        "(default: %(default)s)",
+    )
+    train.add_argument(
+        "--powersgd-start-step",
+        type=int,
+        default=TrainerConfig.powersgd_start_step,
+        metavar="N",
+        help="--comm-hook powersgd: average the first N steps uncompressed, N >= 2 "
+        "(default: %(default)s)",
+    )
+    train.add_argument(
         "--zero-stage",
         type=int,
         choices=ZERO_STAGES,
@@ -476,6 +492,8 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         seed=args.seed,
         precision=args.precision,
         comm_hook=args.comm_hook,
+        powersgd_rank=args.powersgd_rank,
+        powersgd_start_step=args.powersgd_start_step,
         zero_stage=args.zero_stage,
         sync_batchnorm=args.sync_batchnorm,
         checkpoint_dir=args.checkpoint_dir,

@@ -11,6 +11,7 @@
     loss_fn(model(x2), y2).backward()                # reduces the accumulated sum
 
     model.register_comm_hook(state, hook)            # torch's hook protocol (ddp/hooks.py)
+    ddptrain.DDP(net, comm_hook="powersgd")          # compressed gradients (ddp/powersgd.py)
     with Join([model, optimizer]): ...               # torch's Join: uneven inputs (ddp/join.py)
 
 This module is the wrapper as torch's users meet it: construction (checks, rank 0's weights,
@@ -48,6 +49,7 @@ from ddptrain.ddp.hooks import (
 )
 from ddptrain.ddp.join import JoinContext, WrapperJoinHook
 from ddptrain.ddp.linear_grads import LinearSlots, slot_params
+from ddptrain.ddp.powersgd import PowerSGDState, powersgd_hook
 from ddptrain.ddp.reducer import Reducer
 from ddptrain.ddp.replicas import broadcast_coalesced, coalesce, verify_same_model
 
@@ -97,7 +99,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         forward_sync_buffers: bool | None = None,
         *,
         first_bucket_cap_mb: float | None = None,
-        comm_hook: Transport | str | None = None,
+        comm_hook: Transport | str | tuple[object, CommHook] | None = None,
         rebuild_buckets: bool = True,
     ) -> None:
         super().__init__()
@@ -155,26 +157,38 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view,
             rebuild_buckets,
         )
-        self.reducer.use_hook(self._transport(comm_hook), transport_hook)
-        self._user_hook = False
+        # A hook given here counts as registered: register_comm_hook then refuses another.
+        self._user_hook = isinstance(comm_hook, tuple) or comm_hook == "powersgd"
+        self.reducer.use_hook(*self._hook(comm_hook))
         # The mode costs ~1 us of Python per torch call in the forward: entered only for large
         # CPU Linear layers, where copying gradients is the cost it saves (memory bandwidth).
         slotted = slot_params(modules) if gradient_as_bucket_view else []
         self._linear_slots = LinearSlots(self.reducer.claim_slot, slotted) if slotted else None
         self.join_hook_in_use: WrapperJoinHook | None = None
 
-    def _transport(self, comm_hook: Transport | str | None) -> Transport:
-        """Collective: the transport `comm_hook` names (None or "default": the default one)."""
+    def _hook(
+        self, comm_hook: Transport | str | tuple[object, CommHook] | None
+    ) -> tuple[object, CommHook]:
+        """Collective: the (state, hook) pair `comm_hook` names (None or "default": the default
+        transport; "powersgd": ddptrain's PowerSGD with its default options)."""
         if isinstance(comm_hook, Transport):
-            return comm_hook
+            return comm_hook, transport_hook
         if comm_hook is None or comm_hook == "default":
-            return default_transport(self.process_group, module_on_cpu(self.module))
+            return default_transport(self.process_group, module_on_cpu(self.module)), transport_hook
+        if comm_hook == "powersgd":
+            state = PowerSGDState(self.process_group, on_cpu=module_on_cpu(self.module))
+            return state, powersgd_hook
         if isinstance(comm_hook, str):
-            return make_transport(comm_hook, self.process_group)
+            return make_transport(comm_hook, self.process_group), transport_hook
+        if isinstance(comm_hook, tuple) and len(comm_hook) == 2 and callable(comm_hook[1]):
+            state, hook = comm_hook
+            refuse_shared_group(self.module, state)
+            return state, hook
         raise TypeError(
-            f"comm_hook must be a transport name (default, {', '.join(NAMES)}) or a "
-            f"ddptrain.ddp.hooks.Transport, got {type(comm_hook).__name__}; register a "
-            "hook(state, bucket) with model.register_comm_hook(state, hook)"
+            f"comm_hook must be a transport name (default, {', '.join(NAMES)}), 'powersgd', a "
+            "ddptrain.ddp.hooks.Transport or a (state, hook) pair, got "
+            f"{type(comm_hook).__name__}; register a hook(state, bucket) with "
+            "model.register_comm_hook(state, hook)"
         )
 
     # ----------------------------------------------------------------------------- hooks

@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from ddptrain.data import ShardedSampler
 from ddptrain.data.loader import batch_loader
 from ddptrain.ddp.buckets import DEFAULT_FIRST_BUCKET_CAP_MB
+from ddptrain.ddp.hooks import CommHook, module_on_cpu
+from ddptrain.ddp.powersgd import PowerSGDState, powersgd_hook
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import DistInfo
 from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
@@ -60,8 +62,20 @@ def wrap_model(cfg: TrainerConfig, module: nn.Module) -> DistributedDataParallel
         bucket_cap_mb=cfg.bucket_cap_mb,
         # A small first bucket starts communication early in backward, whatever the cap.
         first_bucket_cap_mb=min(DEFAULT_FIRST_BUCKET_CAP_MB, cfg.bucket_cap_mb),
-        comm_hook=cfg.comm_hook,
+        comm_hook=comm_hook(cfg, module),
     )
+
+
+def comm_hook(cfg: TrainerConfig, module: nn.Module) -> str | tuple[object, CommHook]:
+    """Collective for "powersgd": the hook the config names, with its options."""
+    if cfg.comm_hook != "powersgd":
+        return cfg.comm_hook
+    state = PowerSGDState(
+        matrix_rank=cfg.powersgd_rank,
+        start_step=cfg.powersgd_start_step,
+        on_cpu=module_on_cpu(module),
+    )
+    return state, powersgd_hook
 
 
 def sampler(cfg: TrainerConfig, num_samples: int) -> ShardedSampler:

@@ -20,8 +20,8 @@ RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shu
 PRECISIONS = ("fp32", "bf16", "fp16")
 # "default" is the wrapper's own choice (shared memory for CPU ranks on one host, its own TCP
 # ring for CPU ranks across hosts, else the backend's all_reduce); the rest are the transports
-# named in ddptrain.ddp.hooks.NAMES.
-COMM_HOOKS = ("default", *NAMES)
+# named in ddptrain.ddp.hooks.NAMES; "powersgd" compresses them (ddptrain.ddp.powersgd).
+COMM_HOOKS = ("default", *NAMES, "powersgd")
 NONFINITE_POLICIES = ("stop", "skip")
 # 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks.
 ZERO_STAGES = (0, 1)
@@ -60,6 +60,10 @@ class TrainerConfig:
     timeout_s: float = 300.0
     bucket_cap_mb: float = 25.0
     comm_hook: str = "default"
+    # comm_hook="powersgd": the rank of each compressed gradient, and the steps averaged
+    # uncompressed first (docs/guide.md, "When to compress").
+    powersgd_rank: int = 4
+    powersgd_start_step: int = 100
     # BatchNorm statistics over the global batch (SyncBatchNorm): for small per-rank batches.
     sync_batchnorm: bool = False
     nonfinite: str = "stop"
@@ -90,6 +94,15 @@ class TrainerConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 hint = " (or None)" if name in optional_positive else ""
                 raise ConfigError(f"{name} must be a positive integer{hint}, got {value!r}")
+        if isinstance(self.powersgd_rank, bool) or not isinstance(self.powersgd_rank, int):
+            raise ConfigError(f"powersgd_rank must be an integer >= 1, got {self.powersgd_rank!r}")
+        if self.powersgd_rank < 1:
+            raise ConfigError(f"powersgd_rank must be >= 1, got {self.powersgd_rank}")
+        if self.powersgd_start_step < 2:
+            raise ConfigError(
+                f"powersgd_start_step must be >= 2, got {self.powersgd_start_step}: the wrapper "
+                "rebuilds its buckets after the first step, which PowerSGD's memory outlives"
+            )
         if self.num_workers < 0:
             raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
