@@ -1,8 +1,8 @@
 """PowerSGD gradient compression in torch's hook protocol: low-rank gradients, error feedback.
 
-    ddptrain.DDP(net, comm_hook="powersgd")                  # rank 1 from step 1000: torch's
-    state = PowerSGDState(matrix_rank=4, start_step=100)     # defaults; or chosen options
-    ddptrain.DDP(net, comm_hook=(state, powersgd_hook))      # as register_comm_hook(state, hook)
+    ddptrain.DDP(net, comm_hook="powersgd")                  # rank 4 from step 100
+    state = PowerSGDState(matrix_rank=2, start_step=500)     # other options (its defaults are
+    ddptrain.DDP(net, comm_hook=(state, powersgd_hook))      # torch's: rank 1, step 1000)
     TrainerConfig(comm_hook="powersgd", powersgd_rank=4, powersgd_start_step=100)
 
 The algorithm of torch's `powerSGD_hook` (Vogels et al., 2019, arXiv:1905.13727) and its state's
@@ -43,6 +43,11 @@ import torch.distributed as dist
 
 from ddptrain.ddp.hooks import GradBucket, Transport, default_transport
 
+# What comm_hook="powersgd" means, in the wrapper and in TrainerConfig: a rank that keeps
+# accuracy on the recipe's models (docs/guide.md, "When to compress") and a start short runs
+# reach.
+NAMED_RANK = 4
+NAMED_START_STEP = 100
 # The bytes of one block of rows of M (see _project) and of P Q^T (see _outer).
 _PROJECT_BLOCK_BYTES = 1024 * 1024
 _OUTER_BLOCK_BYTES = 512 * 1024

@@ -49,7 +49,7 @@ from ddptrain.ddp.hooks import (
 )
 from ddptrain.ddp.join import JoinContext, WrapperJoinHook
 from ddptrain.ddp.linear_grads import LinearSlots, slot_params
-from ddptrain.ddp.powersgd import PowerSGDState, powersgd_hook
+from ddptrain.ddp.powersgd import NAMED_RANK, NAMED_START_STEP, PowerSGDState, powersgd_hook
 from ddptrain.ddp.reducer import Reducer
 from ddptrain.ddp.replicas import broadcast_coalesced, coalesce, verify_same_model
 
@@ -170,13 +170,18 @@ class DistributedDataParallel(nn.Module, Joinable):
         self, comm_hook: Transport | str | tuple[object, CommHook] | None
     ) -> tuple[object, CommHook]:
         """Collective: the (state, hook) pair `comm_hook` names (None or "default": the default
-        transport; "powersgd": ddptrain's PowerSGD with its default options)."""
+        transport; "powersgd": ddptrain's PowerSGD at rank 4 from step 100)."""
         if isinstance(comm_hook, Transport):
             return comm_hook, transport_hook
         if comm_hook is None or comm_hook == "default":
             return default_transport(self.process_group, module_on_cpu(self.module)), transport_hook
         if comm_hook == "powersgd":
-            state = PowerSGDState(self.process_group, on_cpu=module_on_cpu(self.module))
+            state = PowerSGDState(
+                self.process_group,
+                matrix_rank=NAMED_RANK,
+                start_step=NAMED_START_STEP,
+                on_cpu=module_on_cpu(self.module),
+            )
             return state, powersgd_hook
         if isinstance(comm_hook, str):
             return make_transport(comm_hook, self.process_group), transport_hook

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ddptrain.ddp.hooks import NAMES
+from ddptrain.ddp.powersgd import NAMED_RANK, NAMED_START_STEP
 from ddptrain.train.log import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
 
 # Settings that define the sample order and step size: a resumed run must keep them.
@@ -62,8 +63,8 @@ class TrainerConfig:
     comm_hook: str = "default"
     # comm_hook="powersgd": the rank of each compressed gradient, and the steps averaged
     # uncompressed first (docs/guide.md, "When to compress").
-    powersgd_rank: int = 4
-    powersgd_start_step: int = 100
+    powersgd_rank: int = NAMED_RANK
+    powersgd_start_step: int = NAMED_START_STEP
     # BatchNorm statistics over the global batch (SyncBatchNorm): for small per-rank batches.
     sync_batchnorm: bool = False
     nonfinite: str = "stop"

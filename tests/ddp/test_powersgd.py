@@ -278,11 +278,11 @@ def test_torchs_powersgd_runs_overlapped_over_several_buckets(world):
 
 def test_hook_pair_is_register_comm_hook_and_names_build_the_default(world):
     """DDP(comm_hook=(state, hook)) trains bitwise as register_comm_hook(state, hook), refuses
-    a second hook as torch does, and comm_hook="powersgd" builds torch's default options."""
+    a second hook as torch does, and comm_hook="powersgd" means rank 4 from step 100."""
     for r in worlds.outcome(world(WORLD_SIZE), "pair_equals_register"):
         assert torch.equal(r["paired"], r["registered"])
         assert "can only be called once" in r["again"]
-        assert r["by_name"] == ("PowerSGDState", 1, 1000)
+        assert r["by_name"] == ("PowerSGDState", 4, 100)
 
 
 def test_powersgd_beside_sync_batchnorm_on_channels_last_weights(world):
