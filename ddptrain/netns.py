@@ -5,6 +5,7 @@
         cmd = torchrun(a, a, nnodes=2, nproc_per_node=2, rdzv_id="job-1", args=["job.py"])
         ...
         kill_tree(proc)                           # the process and all its descendants
+        shape(a, "1gbit", 65536, 16 << 20)        # a's sends leave at 1 Gbit/s (tc tbf)
 
 Each host is a network namespace with one end of the veth pair on the private
 10.231.77.0/24 (addresses that exist only inside the two namespaces) and, for each command,
@@ -98,6 +99,21 @@ def two_hosts(tag: str = "ddpt") -> Iterator[tuple[Host, Host]]:
         # Deleting a namespace also deletes the veth pair, both of whose ends live in them.
         for netns in created:
             subprocess.run(["ip", "netns", "delete", netns], capture_output=True, timeout=30)
+
+
+def shape(host: Host, rate: str, burst_bytes: int, limit_bytes: int) -> list[str]:
+    """Shape what `host` sends over the veth with a token bucket (tc tbf; tc's rate syntax,
+    e.g. "100mbit", "1gbit"): `burst_bytes` may leave at once, the rest at `rate`, up to
+    `limit_bytes` queued. Returns the tc command."""
+    command = ["tc", "-n", host.netns, "qdisc", "replace", "dev", host.ifname, "root", "tbf"]
+    command += ["rate", rate, "burst", str(burst_bytes), "limit", str(limit_bytes)]
+    if shutil.which("tc") is None:
+        raise HostsUnavailable("shaping the link needs the `tc` command (iproute2)")
+    try:
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=30)
+    except subprocess.CalledProcessError as exc:
+        raise HostsUnavailable(f"`{' '.join(command)}` failed: {exc.stderr.strip()}") from None
+    return command
 
 
 def torchrun(

@@ -3,6 +3,7 @@
     python -m ddptrain.bench --two-hosts --extras none          # root; world size 2, minutes
     python -m ddptrain.bench --two-hosts --quick --out bench-results/two-hosts   # seconds
     python -m ddptrain.bench --two-hosts --ranks-per-host 2     # world size 4
+    python -m ddptrain.bench --two-hosts --link 1gbit           # over a 1 Gbit/s link
 
 Makes two fake hosts (ddptrain.netns: network namespaces joined by a veth pair, every command
 with a /dev/shm of its own, so the wrapper cannot reduce in shared memory and uses the
@@ -14,6 +15,12 @@ only a run that succeeds moves bench.json (and bench.png) out of it, so a failed
 run never leaves a result behind. The JSON's settings name both hosts, say
 "bucket_transport": "backend", and describe the link ("two_hosts"). Needs root and iproute2;
 says so otherwise.
+
+--link RATE (tc's form: 100mbit, 1gbit, 10gbit) shapes both directions of the veth with tc tbf
+(bench/link.py) and first measures one plain TCP stream and a 1-byte round trip over it,
+printed and kept in the JSON; the defaults then become the question a slow link asks: the MLP,
+`--extras bf16,fp16,powersgd,torch-powersgd,torch-ddp-powersgd` (bench/compression.py), an
+8 MiB all_reduce 3 times, and a chart of samples/s per variant (flags given still win).
 """
 
 from __future__ import annotations
@@ -32,11 +39,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ddptrain.bench import steps
+from ddptrain.bench import compression, link, steps
+from ddptrain.bench.report import plot_throughput
 from ddptrain.netns import Host, kill_tree, torchrun, two_hosts
 
 _POLL_S = 0.2
 _LOG_TAIL_CHARS = 4000
+# What --link runs unless told otherwise: the communication-heavy model and the compressions.
+SLOW_LINK_DEFAULTS = [
+    *("--models", "mlp", "--extras", ",".join(["bf16", "fp16", *compression.EXTRAS])),
+    *("--ring-sizes", "8", "--ring-reps", "3"),
+]
 
 
 class RunFailed(RuntimeError):
@@ -52,9 +65,23 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str], argparse
     )
     p.add_argument("--two-hosts", action="store_true", required=True)
     p.add_argument("--ranks-per-host", type=int, default=1, help="torchrun's --nproc_per_node")
+    p.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE",
+        help="shape the veth to RATE (100mbit, 1gbit, 10gbit, ...) with tc tbf; default: "
+        "unshaped (memory speed)",
+    )
     runner, bench_argv = p.parse_known_args(argv)
     if runner.ranks_per_host < 1:
         p.error(f"--ranks-per-host must be >= 1, got {runner.ranks_per_host}")
+    if runner.link is not None:
+        try:
+            link.rate_bits(runner.link)
+        except ValueError as e:
+            p.error(str(e))
+        # Defaults first: the flags given come later and win.
+        bench_argv = [*SLOW_LINK_DEFAULTS, *bench_argv]
     bench = steps.parse_args(bench_argv)
     if bench.world_size is not None:
         p.error("--world-size does not apply: the world is 2 x --ranks-per-host")
@@ -84,6 +111,9 @@ def _run_and_publish(
     # The later --out wins: rank 0 writes where this process expects, whatever its cwd.
     module_args = ["-m", "ddptrain.bench", *bench_argv, "--out", str(scratch)]
     with _terminate_as_exit(), two_hosts("ddpb") as (a, b):
+        shaping = link.shape_link(a, b, runner.link) if runner.link is not None else None
+        if shaping is not None:
+            print(link.describe(shaping), flush=True)
         rdzv_id = f"ddptrain-bench-{os.getpid()}"
         commands = [
             torchrun(
@@ -101,19 +131,23 @@ def _run_and_publish(
     # Rank 0 printed paths inside the scratch folder; name the ones the files end up at.
     print(output.replace(str(scratch), str(out)), end="", flush=True)
     result = json.loads((scratch / "bench.json").read_text())
-    result["settings"]["two_hosts"] = _link(a, b, runner.ranks_per_host)
+    result["settings"]["two_hosts"] = _link(a, b, runner.ranks_per_host, shaping)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
-    if (scratch / "bench.png").exists():
+    if shaping is not None and not bench.no_plot:
+        if plot_throughput(result, out / "bench.png", f"two hosts, link shaped to {runner.link}"):
+            print(f"wrote {out / 'bench.png'}: samples/s per variant")
+    elif (scratch / "bench.png").exists():
         (scratch / "bench.png").replace(out / "bench.png")
     return result
 
 
-def _link(a: Host, b: Host, ranks_per_host: int) -> dict[str, Any]:
+def _link(a: Host, b: Host, ranks_per_host: int, shaping: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "link": "veth pair between two network namespaces on one machine",
         "hosts": [{"netns": h.netns, "ifname": h.ifname, "addr": h.addr} for h in (a, b)],
         "ranks_per_host": ranks_per_host,
         "private_dev_shm": True,
+        "shaping": shaping,
     }
 
 

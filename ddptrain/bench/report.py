@@ -3,6 +3,7 @@
 result = summarize(raw_per_rank, settings)   # pure: medians, ratios, exposed comm, GB/s
 print(format_table(result))
 plot(result, Path("bench.png"))             # needs matplotlib (extra "plot")
+plot_throughput(result, Path("bench.png"), "two hosts, 1gbit")   # samples/s per variant
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ def summarize(raw: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, 
             for v in per_rank_cpu[0]
         }
         floor, official = med_ms.get("local"), med_ms.get("torch_ddp")
+        batch = settings.get("batch_size_per_rank", {}).get(name)
+        samples = batch * settings["world_size"] if batch else None
         variants = {}
         for v, ms in med_ms.items():
             if v == "comm_alone":
                 continue
             variants[v] = {
                 "median_ms": ms,
+                "samples_per_s": samples / (ms / 1e3) if samples else None,
                 "p25_ms": 1e3 * _quantile(step_s[v], 0.25),
                 "p75_ms": 1e3 * _quantile(step_s[v], 0.75),
                 "cpu_ms": cpu_ms[v],
@@ -57,6 +61,9 @@ def summarize(raw: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, 
             "bucket_bytes": raw[0]["models"][name]["bucket_bytes"],
             "variants": variants,
         }
+        if raw[0]["models"][name].get("powersgd_elements"):
+            # Per variant: (gradient elements, elements sent) per step.
+            entry["powersgd_elements"] = raw[0]["models"][name]["powersgd_elements"]
         if "comm_alone" in med_ms and "ddptrain" in variants:
             exposed = variants["ddptrain"]["exposed_comm_ms"]
             entry["comm_alone_ms"] = med_ms["comm_alone"]
@@ -97,19 +104,25 @@ def _quantile(values: list[float], q: float) -> float:
 
 def format_table(result: dict[str, Any]) -> str:
     """The human-readable tables printed at the end of a run."""
+    width = max([14] + [len(v) for e in result["models"].values() for v in e["variants"]])
     lines = [
-        f"{'model':<8} {'variant':<14} {'ms/step':>8} {'p25-p75':>13} {'vs DDP':>7} "
-        f"{'paired':>7} {'vs local':>8} {'exposed ms':>10} {'cpu ms':>7}"
+        f"{'model':<8} {'variant':<{width}} {'ms/step':>8} {'p25-p75':>13} {'vs DDP':>7} "
+        f"{'paired':>7} {'vs local':>8} {'exposed ms':>10} {'cpu ms':>7} {'samples/s':>9}"
     ]
     for name, entry in result["models"].items():
         for v, row in entry["variants"].items():
             spread = f"{row['p25_ms']:.1f}-{row['p75_ms']:.1f}"
             paired = _fmt(row["vs_torch_ddp_paired"], ".3f")
             lines.append(
-                f"{name:<8} {v:<14} {row['median_ms']:>8.2f} {spread:>13} "
+                f"{name:<8} {v:<{width}} {row['median_ms']:>8.2f} {spread:>13} "
                 f"{_fmt(row['vs_torch_ddp'], '.3f'):>7} {paired:>7} "
                 f"{_fmt(row['vs_local'], '.2f'):>8} {_fmt(row['exposed_comm_ms'], '.2f'):>10} "
-                f"{row['cpu_ms']:>7.1f}"
+                f"{row['cpu_ms']:>7.1f} {_fmt(row['samples_per_s'], '.0f'):>9}"
+            )
+        for v, (total, sent) in entry.get("powersgd_elements", {}).items():
+            lines.append(
+                f"{name:<8} {v} sends {sent:,} of {total:,} gradient elements a step "
+                f"({total / sent:.0f}x fewer)"
             )
         if "comm_alone_ms" in entry:
             hidden = entry["hidden_fraction"]
@@ -180,6 +193,39 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel("algorithm bandwidth (GB/s)")
         ax.set_title("all_reduce bandwidth")
         ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def plot_throughput(result: dict[str, Any], path: Path, title: str) -> bool:
+    """Write a chart of samples/s per variant, one panel per model, the no-communication floor
+    ("local") drawn as a line; False when matplotlib (extra "plot") is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(result["models"])
+    fig, axes = plt.subplots(len(names), 1, figsize=(7.5, 0.6 + 0.45 * 12 * len(names)))
+    for ax, name in zip([axes] if len(names) == 1 else axes, names, strict=True):
+        rows = result["models"][name]["variants"]
+        variants = [v for v in rows if v not in ("local", "comm_alone")]
+        rates = [rows[v]["samples_per_s"] or 0 for v in variants]
+        ax.barh(variants, rates, color="tab:blue")
+        floor = rows.get("local", {}).get("samples_per_s")
+        if floor:
+            ax.axvline(floor, color="black", linestyle="--")
+            ax.text(floor, len(variants) - 0.5, "no-communication floor ", ha="right", fontsize=8)
+            ax.set_xlim(0, 1.12 * max([floor, *rates]))
+        for y, rate in enumerate(rates):
+            ax.text(rate, y, f" {rate:.0f}", va="center", fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("samples/s (median step; higher is better)")
+        ax.set_title(f"{name}: {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

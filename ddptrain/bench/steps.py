@@ -9,6 +9,7 @@
     python -m ddptrain.bench --models lenet-recipe --extras none --sync-only   # cost of a sync
     torchrun --nproc_per_node=2 -m ddptrain.bench --quick   # ranks from a launcher, any hosts
     python -m ddptrain.bench --two-hosts --quick    # two network namespaces (bench/hosts.py)
+    python -m ddptrain.bench --models mlp --extras powersgd,torch-powersgd   # bench/compression.py
 
 All variants live in the same processes and take turns (the order rotates every round), so
 machine noise hits them alike. Each turn is a block of --block steps run back to back, as in
@@ -44,6 +45,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
+from ddptrain.bench import compression
 from ddptrain.bench.collectives import bench_all_reduce
 from ddptrain.bench.models import MODELS
 from ddptrain.bench.placement import bucket_transport, hosts, this_host, transport
@@ -99,12 +101,16 @@ def _flat_average(model: nn.Module, world_size: int) -> None:
         grad.copy_(synced)
 
 
-def _make_variant(name: str, base: nn.Module, world_size: int) -> tuple[nn.Module, Callable]:
+def _make_variant(
+    name: str, base: nn.Module, world_size: int, powersgd_rank: int
+) -> tuple[nn.Module, Callable]:
     """A (model, after_backward) pair for one variant, each with its own copy of the weights."""
     module = copy.deepcopy(base)
     after: Callable[[], None] = lambda: None  # noqa: E731
-    if name == "ddptrain" or name.removeprefix("ddptrain_") in OPTIMIZER_EXTRAS:
-        model: nn.Module = DistributedDataParallel(module)
+    if name in compression.EXTRAS.values():
+        model: nn.Module = compression.make_variant(name, module, powersgd_rank)
+    elif name == "ddptrain" or name.removeprefix("ddptrain_") in OPTIMIZER_EXTRAS:
+        model = DistributedDataParallel(module)
     elif name.startswith("ddptrain_"):
         model = DistributedDataParallel(module, comm_hook=EXTRAS[name.removeprefix("ddptrain_")])
     elif name == "flat":
@@ -140,17 +146,20 @@ def _make_optimizer(variant: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _bench_model(
-    name: str, variants: list[str], steps: int, warmup: int, block: int, device: torch.device
+    name: str,
+    variants: list[str],
+    args: argparse.Namespace,
+    device: torch.device,
 ) -> dict[str, Any]:
     """Seconds per step of each variant on this rank: blocks of steps, variants interleaved."""
     factory, sample_shape, batch_size, default_steps = MODELS[name]
-    steps = steps or default_steps
+    steps, warmup, block = args.steps or default_steps, args.warmup, args.block
     world_size = dist.get_world_size()
     torch.manual_seed(0)
     base = factory().to(device)
     runs = {}
     for v in variants:
-        model, after = _make_variant(v, base, world_size)
+        model, after = _make_variant(v, base, world_size, args.powersgd_rank)
         runs[v] = (model, after, _make_optimizer(v, model))
     ours = runs.get("ddptrain", (None,))[0]
     comm_buckets = []
@@ -197,6 +206,8 @@ def _bench_model(
                 cpu[v].append((time.process_time() - start_cpu) / block)
     n_params = sum(p.numel() for p in base.parameters())
     out = {"timings": timings, "cpu": cpu, "params": n_params, "bucket_bytes": []}
+    sent = {v: compression.compressed_elements(runs[v][0]) for v in variants}
+    out["powersgd_elements"] = {v: e for v, e in sent.items() if e is not None}
     if isinstance(ours, DistributedDataParallel):
         out["bucket_bytes"] = ours.bucket_sizes_bytes
         out["transport"] = bucket_transport(ours)
@@ -227,14 +238,13 @@ def _keep_freed_memory() -> bool:
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     malloc_fixed = not args.stock_malloc and _keep_freed_memory()
     info = ddptrain.init_distributed(backend=args.backend)
-    variants = list(BASE_VARIANTS) + [f"ddptrain_{e}" for e in args.extras]
+    variants = list(BASE_VARIANTS) + [
+        compression.EXTRAS.get(e, f"ddptrain_{e}") for e in args.extras
+    ]
     variants += list(LADDER) if args.ladder else []
     variants += [SYNC_ONLY] if args.sync_only else []
     out: dict[str, Any] = {
-        "models": {
-            m: _bench_model(m, variants, args.steps, args.warmup, args.block, info.device)
-            for m in args.models
-        },
+        "models": {m: _bench_model(m, variants, args, info.device) for m in args.models},
     }
     if args.ring_reps > 0 and info.world_size > 1:
         out["ring"] = bench_all_reduce(tuple(args.ring_sizes), args.ring_reps, info.device)
@@ -267,8 +277,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--extras",
         default=",".join(EXTRAS),
-        help=f"opt-in ddptrain variants: subset of {','.join([*EXTRAS, *OPTIMIZER_EXTRAS])}, "
-        "or 'none'",
+        help="opt-in variants: subset of "
+        f"{','.join([*EXTRAS, *OPTIMIZER_EXTRAS, *compression.EXTRAS])}, or 'none'",
+    )
+    p.add_argument(
+        "--powersgd-rank",
+        type=int,
+        default=compression.DEFAULT_RANK,
+        help="the PowerSGD extras' matrix rank",
     )
     p.add_argument("--ladder", action="store_true", help=f"add {', '.join(LADDER)}")
     p.add_argument(
@@ -292,9 +308,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = [m for m in args.models.split(",") if m]
     unknown = [m for m in args.models if m not in MODELS]
     args.extras = [] if args.extras == "none" else [e for e in args.extras.split(",") if e]
-    unknown += [e for e in args.extras if e not in EXTRAS and e not in OPTIMIZER_EXTRAS]
+    extras = [*EXTRAS, *OPTIMIZER_EXTRAS, *compression.EXTRAS]
+    unknown += [e for e in args.extras if e not in extras]
+    if args.powersgd_rank < 1:
+        p.error(f"--powersgd-rank must be >= 1, got {args.powersgd_rank}")
     if unknown:
-        extras = [*EXTRAS, *OPTIMIZER_EXTRAS]
         p.error(f"unknown model/extra {unknown}; models: {list(MODELS)}, extras: {extras}")
     args.ring_sizes = [int(s) for s in args.ring_sizes.split(",")]
     return args
@@ -327,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "warmup_rounds": args.warmup,
         "steps_per_block": args.block,
         "batch_size_per_rank": {m: MODELS[m][2] for m in args.models},
+        "powersgd_rank": args.powersgd_rank,
         "machine": machine(),
         "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

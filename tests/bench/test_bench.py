@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from ddptrain.bench import compression
 from ddptrain.bench import report as bench_report
 from ddptrain.bench import steps as bench
 from ddptrain.bench.models import MODELS
@@ -43,6 +44,21 @@ def test_quick_run_writes_the_expected_json(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 10_000
 
 
+def test_quick_run_times_the_compression_variants(tmp_path):
+    """The PowerSGD extras each time LeNet (ddptrain's hook, torch's on ddptrain's wrapper,
+    torch's on official DDP); ddptrain's reports the elements it sends, fewer than it has."""
+    extras = ",".join(compression.EXTRAS)
+    argv = ["--quick", "--no-plot", "--ring-reps", "0", "--extras", extras]
+    result = bench.main([*argv, "--out", str(tmp_path)])
+    lenet = result["models"]["lenet"]
+    assert list(lenet["variants"]) == [*bench.BASE_VARIANTS, *compression.EXTRAS.values()]
+    for name, row in lenet["variants"].items():
+        assert row["median_ms"] > 0 and row["samples_per_s"] > 0, name
+    total, sent = lenet["powersgd_elements"]["ddptrain_powersgd"]
+    assert total == lenet["params"] and 0 < sent < total
+    assert result["settings"]["powersgd_rank"] == compression.DEFAULT_RANK
+
+
 def _raw(rank_scale: float) -> dict:
     steps = {"torch_ddp": [0.010, 0.012, 0.011], "local": [0.005, 0.006, 0.005]}
     steps["ddptrain"] = [0.008, 0.009, 0.010]
@@ -60,10 +76,14 @@ def _raw(rank_scale: float) -> dict:
 
 
 def test_summary_takes_the_slowest_rank_then_the_median():
-    """Step time is the slowest rank's; ratios, exposed comm and bandwidth follow from medians."""
-    result = bench_report.summarize([_raw(1.0), _raw(2.0)], {"world_size": 2})
+    """Step time is the slowest rank's; ratios, samples/s, exposed comm and bandwidth follow
+    from medians."""
+    settings = {"world_size": 2, "batch_size_per_rank": {"m": 11}}
+    result = bench_report.summarize([_raw(1.0), _raw(2.0)], settings)
     m = result["models"]["m"]["variants"]
     assert m["torch_ddp"]["median_ms"] == pytest.approx(22.0)
+    # 11 samples per rank x 2 ranks in a 22 ms step
+    assert m["torch_ddp"]["samples_per_s"] == pytest.approx(1000.0)
     assert m["ddptrain"]["median_ms"] == pytest.approx(18.0)
     assert m["ddptrain"]["vs_torch_ddp"] == pytest.approx(18 / 22)
     assert m["ddptrain"]["exposed_comm_ms"] == pytest.approx(18.0 - 10.0)

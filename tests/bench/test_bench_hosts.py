@@ -128,6 +128,39 @@ def test_two_hosts_reduce_over_tcp_and_leave_no_namespace(root_and_netns, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
 
 
+def test_two_hosts_over_a_shaped_link_record_the_shaping_and_its_measure(root_and_netns, tmp_path):
+    """--link 100mbit: tbf on both veth ends, a probe no faster than the rate allows (its
+    76 KiB burst adds at most 1.6% to the probe's 5 MB; a loaded machine is only slower), and
+    the compression variants timed across the two hosts."""
+    argv = ["--two-hosts", "--link", "100mbit", "--quick", "--out", str(tmp_path)]
+    try:
+        result = bench_hosts.main([*argv, "--timeout-s", "150"])
+    except HostsUnavailable as exc:
+        pytest.skip(str(exc))
+    shaping = result["settings"]["two_hosts"]["shaping"]
+    assert shaping["qdisc"] == "tbf" and shaping["rate"] == "100mbit"
+    [to_b, to_a] = shaping["commands"]
+    assert " tbf rate 100mbit " in to_b and " tbf rate 100mbit " in to_a
+    assert 0 < shaping["probe"]["mbit_per_s"] <= 100 * 1.02
+    assert shaping["probe"]["round_trip_us"] > 0
+    variants = result["models"]["lenet"]["variants"]
+    assert {"ddptrain_powersgd", "ddptrain_torch-powersgd", "torch_ddp_powersgd"} <= set(variants)
+    assert result["settings"]["bucket_transport"] == "tcp"
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+
+
+def test_link_flag_sets_the_slow_link_defaults_which_given_flags_override():
+    """--link makes the MLP and the compression extras the defaults; --models given wins; a
+    rate tc would not understand is refused."""
+    _, _, bench = bench_hosts.parse_args(["--two-hosts", "--link", "1gbit"])
+    assert bench.models == ["mlp"] and "powersgd" in bench.extras
+    _, _, bench = bench_hosts.parse_args(["--two-hosts", "--link", "1gbit", "--models", "lenet"])
+    assert bench.models == ["lenet"] and "torch-ddp-powersgd" in bench.extras
+    with pytest.raises(SystemExit):
+        bench_hosts.parse_args(["--two-hosts", "--link", "fast"])
+
+
 def test_two_hosts_timeout_kills_the_launchers_and_deletes_the_namespaces(root_and_netns, tmp_path):
     """A run past --timeout-s raises RunFailed naming the timeout; no namespace, no process of
     it (launchers, ranks) and no file in --out is left."""
