@@ -97,7 +97,7 @@ def test_crash_and_resume_on_cuda_is_bitwise_equal_to_uninterrupted(tmp_path):
 
 
 # The oracle is nn.BatchNorm2d in float64 on the same values, so what is left is our own float32
-# rounding (the tolerances of tests/parallel/test_sync_batchnorm.py): elementwise results to a
+# rounding (the tolerances of tests/nn/test_sync_batchnorm.py): elementwise results to a
 # few ulps of values of size ~10; weight/bias gradients are sums of ~1000 terms that cancel.
 SBN_TOL = {
     "out": (1e-5, 1e-5),  # (rtol, atol)
