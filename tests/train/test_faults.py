@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddptrain
 from support.child_env import child_env
 
 JOB = Path(__file__).resolve().parents[1] / "support" / "fault_job.py"
@@ -131,6 +132,69 @@ def test_frozen_rank_is_detected_by_the_heartbeat(tmp_path):
     print(f"rank 0 exited {seconds:.2f} s after rank 1 froze (heartbeat_timeout_s=4)")
     # Never before the 4-s heartbeat timeout (that would be a false alarm), never a hang.
     assert 3 < seconds < DETECTED_WITHIN_S
+
+
+_STORE_SERVER = """
+import sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def _watch_a_store_that_goes(port: int, server_pid: int) -> dict:
+    """Heartbeats on an outside store (an agent's) whose process rank 0 kills once both beat."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ddptrain.train.health import Heartbeat
+
+    ddptrain.init_distributed()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    lost: list[str] = []
+    heartbeat = Heartbeat(timeout_s=10, interval_s=0.2, store=store, on_launcher_lost=lost.append)
+    heartbeat.start()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.kill(server_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while not lost and time.monotonic() < killed + DETECTED_WITHIN_S:
+        time.sleep(0.05)
+    seconds = time.monotonic() - killed
+    heartbeat.stop()
+    return {"lost": lost, "seconds": seconds, "stored_after": heartbeat.failed_peers()}
+
+
+def test_a_dead_store_is_named_once_and_no_live_peer_is_called_lost(capfd):
+    """The store's process dies (the agent hosting it): each rank's heartbeat stops calling it
+    after one failed beat (its port refuses connections), logging one C++ trace, not one per
+    beat, and reports "the launcher's store is unreachable" instead of declaring its live peer
+    lost (which would exit 75 once heartbeat_timeout_s passed)."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", _STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout.readline().strip() == "up"
+        # Fresh interpreters ("spawn"): they write to this test's captured stderr, where a
+        # forkserver started by an earlier test would not.
+        results = ddptrain.spawn(
+            _watch_a_store_that_goes, 2, port, server.pid, timeout_s=240, start_method="spawn"
+        )
+    finally:
+        server.kill()
+        server.wait()
+    logged = capfd.readouterr().err
+    traces = logged.count("recvValue failed") + logged.count("sendBytes failed")
+    assert traces <= 2, logged[-3000:]
+    for r in results:
+        print(f"store loss noticed after {r['seconds']:.2f} s")
+        assert len(r["lost"]) == 1, r
+        assert r["lost"][0].startswith("the launcher's store is unreachable"), r
+        # Timing bound only against the 10-s heartbeat timeout that would call the peer lost.
+        assert r["seconds"] < 10 and r["stored_after"] == {}
 
 
 def _torchrun(args: list[str], tmp_path: Path, restarts: int) -> subprocess.CompletedProcess:
