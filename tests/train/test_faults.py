@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import ddptrain
+from ddptrain.train import checkpoint as ckpt
 from support.child_env import child_env
 
 JOB = Path(__file__).resolve().parents[1] / "support" / "fault_job.py"
@@ -264,3 +266,122 @@ def test_replica_desync_is_detected_with_rank_and_parameter(tmp_path):
     for out, p in zip(outputs, procs, strict=True):
         assert p.returncode != 0
         assert "replicas diverged: rank 1 differs from rank 0 first at parameter '0.weight'" in out
+
+
+def _job(tmp_path: Path, name: str, extra: list[str]) -> list[str]:
+    """fault_job arguments of a slowed run (0.2 s a step, 24 steps) that logs every step and
+    checkpoints only when stopped and at its end."""
+    at = f"{tmp_path}/{name}"
+    return [
+        *("--ckpt-dir", f"{at}-ckpt", "--checkpoint-every", "100", "--out", f"{at}.pt"),
+        *("--log-dir", f"{at}-logs", "--log-every", "1", "--sleep-per-step", "0.2", *extra),
+    ]
+
+
+def _steps_logged(tmp_path: Path, name: str) -> list[int]:
+    path = tmp_path / f"{name}-logs" / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return [r["step"] for r in lines if "loss" in r]
+
+
+def _torchrun_cmd(args: list[str], torchrun_flags: list[str] = ()) -> list[str]:
+    return [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
+        *("--monitor-interval=0.5", *torchrun_flags, str(JOB), *args),
+    ]
+
+
+def _signal_mid_run(
+    tmp_path: Path, name: str, number: int, torchrun_flags: list[str] = ()
+) -> tuple[subprocess.Popen, str, float]:
+    """Start the slowed job under torchrun, send torchrun `number` once step 3 is logged;
+    return the finished process, its output and the seconds from the signal to its exit."""
+    proc = subprocess.Popen(
+        _torchrun_cmd(_job(tmp_path, name, []), torchrun_flags),
+        cwd=tmp_path,
+        env=child_env(PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + DETECTED_WITHIN_S
+        while not any(s >= 3 for s in _steps_logged(tmp_path, name)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        signalled = time.monotonic()
+        proc.send_signal(number)
+        # The output pipe closes when the last worker exits, torchrun or not.
+        out, _ = proc.communicate(timeout=DETECTED_WITHIN_S)
+        return proc, out, time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _reference(tmp_path: Path) -> list[torch.Tensor]:
+    """The job's final parameters, never stopped (2 ranks started by ddptrain.spawn)."""
+    from support import fault_job
+
+    ddptrain.spawn(fault_job.main, 2, _job(tmp_path, "straight", []), timeout_s=240)
+    return torch.load(tmp_path / "straight.pt", weights_only=True)["params"]
+
+
+@pytest.mark.parametrize(
+    ("number", "torchrun_flags"),
+    [
+        (signal.SIGTERM, []),
+        (signal.SIGUSR1, ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]),
+    ],
+    ids=["SIGTERM", "SIGUSR1-forwarded"],
+)
+def test_a_signal_to_torchrun_saves_the_last_step_and_the_rerun_is_bitwise(
+    tmp_path, number, torchrun_flags
+):
+    """torchrun forwards SIGTERM (and SIGUSR1 when told to): the workers save the step they
+    are at, no step after the checkpoint was trained, they exit with 76 long before torchrun's
+    30-s SIGKILL; the same command then ends bitwise equal to a run never stopped."""
+    proc, out, seconds = _signal_mid_run(tmp_path, "b", number, torchrun_flags)
+    saved = ckpt.latest_checkpoint(tmp_path / "b-ckpt")
+    assert saved is not None, out
+    step = ckpt.parse_step(saved.name)
+    lost = max(_steps_logged(tmp_path, "b")) - step
+    print(
+        f"{signal.Signals(number).name}: saved step {step}, {lost} step(s) lost, exit "
+        f"{seconds:.2f} s after the signal"
+    )
+    assert lost == 0 and step >= 3, out
+    assert f"stopped at step {step} on {signal.Signals(number).name}" in out, out
+    assert "exiting with code 76" in out, out
+    assert seconds < DETECTED_WITHIN_S
+    rerun = subprocess.run(
+        _torchrun_cmd(_job(tmp_path, "b", [])),
+        cwd=tmp_path,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resuming from {saved}" in rerun.stdout or saved.name in rerun.stdout
+    resumed = torch.load(tmp_path / "b.pt", weights_only=True)["params"]
+    assert all(torch.equal(x, y) for x, y in zip(resumed, _reference(tmp_path), strict=True))
+
+
+def test_workers_orphaned_by_torchrun_stop_at_the_next_step_with_one_line(tmp_path):
+    """SIGUSR1 kills torchrun outright (not in its --signals-to-handle): its workers see their
+    agent gone, save the step they are at and exit, saying so in one line; no trace of the
+    dead store floods the output, no live rank is called lost."""
+    _, out, seconds = _signal_mid_run(tmp_path, "o", signal.SIGUSR1)
+    saved = ckpt.latest_checkpoint(tmp_path / "o-ckpt")
+    assert saved is not None, out
+    step = ckpt.parse_step(saved.name)
+    print(f"orphans: saved step {step}, exited {seconds:.2f} s after torchrun died")
+    assert max(_steps_logged(tmp_path, "o")) == step, out
+    assert out.count("its torchrun agent (pid") == 1, out
+    assert f"stopped at step {step} on its torchrun agent" in out, out
+    assert "lost rank" not in out and "Broken pipe" not in out, out
+    assert seconds < DETECTED_WITHIN_S
