@@ -30,7 +30,10 @@ JOB = Path(__file__).resolve().parent / "support" / "fault_job.py"
 # torch imports and rendezvous rounds), a broken one (a hang) fails by this bound.
 PHASE_S = 150
 EPOCHS, STEPS = 6, 48  # 8 steps an epoch: 96 samples, a global batch of 12 at any world size
-pytestmark = pytest.mark.timeout(4 * PHASE_S + 60)
+# Slow (about a minute): three rendezvous rounds, each starting interpreters, and a dead agent
+# noticed by missed keep-alives. The store keys it depends on are also tested quickly, in
+# tests/test_rendezvous.py; the saving on a lost agent and on SIGTERM in tests/train/.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(4 * PHASE_S + 60)]
 
 
 def _agent(port: int, tmp_path: Path, name: str, hosts_store: bool) -> subprocess.Popen:
