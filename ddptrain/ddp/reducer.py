@@ -114,8 +114,10 @@ class Reducer:
         self._buckets = layout.flats
         self._views = layout.views
         self._param_bucket = layout.bucket_of
-        self._used_flags = layout.used_flags
-        self._sync_value = layout.sync_value
+        # The used flags and the synced value after them, written and read back in one copy.
+        self._flag_tail = (
+            layout.flats[-1][-len(self.params) - 1 :] if layout.used_flags is not None else None
+        )
         self._grad_is_view = layout.grad_is_view
         self.bucket_lens = layout.lens
         last = len(layout.flats) - 1
@@ -205,9 +207,9 @@ class Reducer:
         last = len(self._buckets) - 1
         while step.next_bucket <= last and step.pending[step.next_bucket] == 0:
             b = step.next_bucket
-            if b == last and self._used_flags is not None:
-                self._used_flags.copy_(torch.tensor(step.used, dtype=self._used_flags.dtype))
-                self._sync_value.fill_(self._flag_value)
+            if b == last and self._flag_tail is not None:
+                tail = [*step.used, self._flag_value]
+                self._flag_tail.copy_(torch.tensor(tail, dtype=self._flag_tail.dtype))
             with marks.mark("ddptrain.launch bucket", b):
                 # The last bucket is waited for as soon as backward ends: the waiting thread
                 # runs it, sparing two thread wake-ups on the critical path.
@@ -272,9 +274,9 @@ class Reducer:
     def _exchange_flags(self, used: list[bool]) -> list[bool]:
         """Which parameters got a gradient on some rank, and `synced_flag`: from the last
         bucket's tail, where a transport summed them, else one small all_reduce."""
-        if self._used_flags is not None:
-            used_anywhere = (self._used_flags != 0).tolist()
-            total = round(float(self._sync_value.item()))
+        if self._flag_tail is not None:
+            *sums, value = self._flag_tail.tolist()
+            used_anywhere, total = [v != 0 for v in sums], round(value)
         elif self.world_size == 1:
             used_anywhere, total = list(used), self._flag_value
         else:
