@@ -6,7 +6,9 @@
         model.flag_next_sync(stop.wanted(save_due=...))      # rides the step's reduction
         ...                                                  # forward, backward, optimizer
         agreed = stop.agree(info, model.synced_flag)         # None, or what every rank wants
-        if agreed: save; if agreed.stop: raise agreed.exit()  # Preempted: a SystemExit
+        if agreed: save                                      # every rank; rank 0 writes
+        if agreed and agreed.stop:                           # a SystemExit with the code:
+            raise Preempted(agreed.exit_code, step, agreed.message(step, "saved ..."))
 
 Why at a step boundary: a rank cannot save alone (rank 0 writes what every rank holds, and
 every rank must stop at the same step, or the others wait in a collective for it). A handler
