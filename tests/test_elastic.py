@@ -156,6 +156,10 @@ def test_an_agent_leaves_and_returns_and_the_job_loses_no_step(tmp_path):
             assert r["lr"] == pytest.approx(0.1 * 0.7 ** (r["step"] // 4)), r
     assert {r["global_batch_size"] for r in records if r.get("event") == "start"} == {12}
     final = torch.load(tmp_path / "final.pt", weights_only=True)
+    print("final:", final["summary"]["eval"])
+    for line in _outputs(tmp_path).splitlines():
+        if "stopped at step" in line or "resuming from" in line:
+            print(line)
     assert final["summary"]["step"] == STEPS
     assert final["summary"]["eval"]["eval_accuracy"] > 0.6, final["summary"]
     assert "its torchrun agent" in _outputs(tmp_path)
