@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -36,6 +37,7 @@ DEFAULT_TIMEOUT_S = 300.0
 # rank waiting for its peers; torch's store waits in C++, where Python never sees the signal.
 _RENDEZVOUS_TRY_S = 1.0
 _RENDEZVOUS_POLL_S = 0.05
+_REFUSAL_READ_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class DistInfo:
     device: torch.device
     backend: str
     launcher: str = "single"  # "torchrun", "spawn", "mpi", "slurm" or "single" (no launcher)
+    # The torchrun agent that started this process (its parent), watched by the heartbeat.
+    agent_pid: int | None = None
 
     @property
     def is_main(self) -> bool:
@@ -80,10 +84,11 @@ def resolve_device(backend: str, local_rank: int, cuda_count: int) -> torch.devi
     return torch.device("cuda", local_rank)
 
 
-# Default groups this process has created. A rendezvous used again (a second Trainer.fit()
-# after the first destroyed its group) must not show the new group the last one's keys: torch
-# numbers groups from 0 again, so ranks would read dead addresses and fail or hang. Every rank
-# creates its groups in the same order, so all agree on the number.
+# Default groups this process has created. A file:// rendezvous used again (a second
+# Trainer.fit() after the first destroyed its group) must not show the new group the last one's
+# keys: torch numbers groups from 0 again, so ranks would read dead addresses and fail or hang.
+# Every rank creates its groups in the same order, so all agree on the number. (The env:// store
+# gets a fresh token per group instead: _agree_on_token.)
 _groups_created = 0
 
 
@@ -136,7 +141,7 @@ def init_distributed(
     group = _next_group()
     try:
         if method == "env://":
-            kwargs["store"] = _env_store(launch, timeout, group)
+            kwargs["store"] = _env_store(launch, timeout)
         else:
             kwargs["init_method"] = _fresh_file(method, group)
         dist.init_process_group(
@@ -160,7 +165,13 @@ def init_distributed(
             "every process must be launched with the same WORLD_SIZE"
         )
     return DistInfo(
-        launch.rank, launch.local_rank, launch.world_size, device, backend, launch.launcher
+        launch.rank,
+        launch.local_rank,
+        launch.world_size,
+        device,
+        backend,
+        launch.launcher,
+        os.getppid() if launch.elastic_agent else None,
     )
 
 
@@ -185,13 +196,15 @@ def _expand_hosts(nodelist: str) -> list[str]:
         return out.stdout.split()
 
 
-def _env_store(launch: LaunchEnv, timeout: datetime.timedelta, group: int) -> dist.Store:
-    """The env:// store, with keys private to this restart attempt and this process's n-th group,
-    returned once all WORLD_SIZE ranks have reached it.
+def _env_store(launch: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
+    """The env:// store, with keys private to this process group, returned once all WORLD_SIZE
+    ranks have reached it.
 
-    Under torchrun the agent hosts one store for every attempt of the job; without a prefix a
-    restarted rank can read the dead attempt's addresses and fail to connect, or hang (and so
-    can a second group created in the same processes).
+    Under torchrun the agent hosts one store for every round of the job; without a prefix a
+    restarted rank can read the dead round's addresses and fail to connect, or hang (and so can
+    a second group created in the same processes). The prefix is a token rank 0 draws and every
+    rank confirms (`_agree_on_token`): not the agent's restart count, which agents that joined
+    an elastic job at different times count differently.
     """
     deadline = time.monotonic() + timeout.total_seconds()
     is_master = launch.rank == 0 and not launch.agent_store
@@ -219,38 +232,94 @@ def _env_store(launch: LaunchEnv, timeout: datetime.timedelta, group: int) -> di
                     "MASTER_ADDR and MASTER_PORT name rank 0's host and a port it can open"
                 ) from None
     store.set_timeout(timeout)
-    prefixed = dist.PrefixStore(f"ddptrain/attempt_{launch.restart_count}/group_{group}", store)
-    _wait_for_every_rank(prefixed, launch, deadline, timeout.total_seconds())
-    return prefixed
+    handshake = dist.PrefixStore("ddptrain/rendezvous", store)
+    token = _agree_on_token(handshake, launch, deadline, timeout.total_seconds())
+    return dist.PrefixStore(f"ddptrain/{token}", store)
 
 
-def _wait_for_every_rank(
-    store: dist.Store, launch: LaunchEnv, deadline: float, timeout_s: float
-) -> None:
-    """Check in, then wait (in Python, so Ctrl-C works) until WORLD_SIZE ranks have; refuse
-    ranks launched with different WORLD_SIZE values."""
+def _agree_on_token(store: dist.Store, launch: LaunchEnv, deadline: float, timeout_s: float) -> str:
+    """Rank 0's fresh token, once every rank has confirmed it (in Python, so Ctrl-C works);
+    refuse ranks launched with different WORLD_SIZE values.
+
+    The store may hold earlier rounds' keys (a dead round's token among them), so a rank cannot
+    tell a stale token from a fresh one by reading it: each rank answers the token it reads with
+    a nonce of its own, re-answers whenever the token changes, and goes on only when rank 0
+    echoes its nonce under that token, which rank 0 does for the token it drew alone.
+    """
     where = f"{launch.master_addr}:{launch.master_port}"
-    first = store.compare_set("world_size", "", str(launch.world_size)).decode()
-    if first != str(launch.world_size):
-        message = (
-            f"ranks were launched with different WORLD_SIZE values ({first} and "
-            f"{launch.world_size}, rendezvous {where}); every process must get the same one"
-        )
-        store.set("refused", message)
-        raise LaunchError(message)
-    arrived = store.add("arrived", 1)
-    while arrived < launch.world_size:
-        if store.check(["refused"]):
-            raise LaunchError(store.get("refused").decode())
+    if launch.rank == 0:
+        token = secrets.token_hex(8)
+        store.set("token", f"{token} {launch.world_size}")
+        _wait_for_answers(store, token, launch, deadline, timeout_s)
+        for r in range(1, launch.world_size):
+            nonce = store.get(f"{token}/answer/{r}").decode().split()[0]
+            store.set(f"{token}/go/{r}", nonce)
+        return token
+    nonce, seen, token = secrets.token_hex(8), "", ""
+    try:
+        while time.monotonic() < deadline:
+            current = store.get("token").decode() if store.check(["token"]) else ""
+            if current and current != seen:
+                seen = current
+                token, announced = current.split()
+                store.set(f"{token}/answer/{launch.rank}", f"{nonce} {launch.world_size}")
+                store.add(f"{token}/answered", 1)
+                if announced != str(launch.world_size):
+                    store.compare_set(
+                        f"{token}/mismatch",
+                        "",
+                        f"ranks were launched with different WORLD_SIZE values ({announced} and "
+                        f"{launch.world_size}, rendezvous {where}); every process must get the "
+                        "same one",
+                    )
+            elif token:
+                if store.check([f"{token}/refused"]):
+                    store.add(f"{token}/refusal_read", 1)
+                    raise LaunchError(store.get(f"{token}/refused").decode())
+                go = f"{token}/go/{launch.rank}"
+                if store.check([go]) and store.get(go).decode() == nonce:
+                    return token
+            time.sleep(_RENDEZVOUS_POLL_S)
+    except dist.DistNetworkError:
+        raise LaunchError(
+            f"rank 0's rendezvous store at {where} went away while rank {launch.rank} waited "
+            "for the others: rank 0 stopped (its output says why)"
+        ) from None
+    raise LaunchError(
+        f"rank {launch.rank} reached the rendezvous at {where}, but not all of WORLD_SIZE="
+        f"{launch.world_size} ranks did within {timeout_s:.0f} s: start {launch.world_size} "
+        "processes (torchrun --nproc_per_node, srun -n, mpirun -np), or set WORLD_SIZE to the "
+        "number you start"
+    )
+
+
+def _wait_for_answers(
+    store: dist.Store, token: str, launch: LaunchEnv, deadline: float, timeout_s: float
+) -> None:
+    """Rank 0: wait until every other rank has answered `token`; refuse a WORLD_SIZE mismatch."""
+    answers = [f"{token}/answer/{r}" for r in range(1, launch.world_size)]
+    while True:
+        if store.check([f"{token}/mismatch"]):
+            message = store.get(f"{token}/mismatch").decode()
+            store.set(f"{token}/refused", message)
+            # The store goes with this process: stay until the ranks that answered have read
+            # the refusal (a few seconds at most), so they say why too.
+            answered = store.add(f"{token}/answered", 0)
+            until = time.monotonic() + _REFUSAL_READ_S
+            while store.add(f"{token}/refusal_read", 0) < answered and time.monotonic() < until:
+                time.sleep(_RENDEZVOUS_POLL_S)
+            raise LaunchError(message)
+        arrived = 1 + store.add(f"{token}/answered", 0)
+        if arrived >= launch.world_size and store.check(answers):
+            return
         if time.monotonic() >= deadline:
             raise LaunchError(
                 f"only {arrived} of WORLD_SIZE={launch.world_size} ranks reached the rendezvous "
-                f"at {where} within {timeout_s:.0f} s: start {launch.world_size} processes "
-                "(torchrun --nproc_per_node, srun -n, mpirun -np), or set WORLD_SIZE to the "
-                "number you start"
+                f"at {launch.master_addr}:{launch.master_port} within {timeout_s:.0f} s: start "
+                f"{launch.world_size} processes (torchrun --nproc_per_node, srun -n, mpirun "
+                "-np), or set WORLD_SIZE to the number you start"
             )
         time.sleep(_RENDEZVOUS_POLL_S)
-        arrived = store.add("arrived", 0)
 
 
 def _address_in_use(method: str, launch: LaunchEnv) -> str:
@@ -292,6 +361,7 @@ def current_info() -> DistInfo:
         device or torch.device("cpu"),
         backend,
         launch.launcher,
+        os.getppid() if launch.elastic_agent else None,
     )
 
 

@@ -9,11 +9,13 @@ grad_accum_steps)` each, so the same config trains the same way at any world siz
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, fields
 from typing import Any
 
 from ddptrain.ddp.hooks import NAMES
 from ddptrain.train.log import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
+from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, signal_number
 
 # Settings that define the sample order and step size: a resumed run must keep them.
 RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last")
@@ -52,6 +54,8 @@ class TrainerConfig:
     progress_bar: bool | None = None
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int | None = None
+    # Also save when this many minutes passed since the last save (rank 0's clock decides).
+    checkpoint_every_minutes: float | None = None
     keep_last: int = 3
     best_metric: str | None = None
     best_mode: str = "max"
@@ -64,6 +68,9 @@ class TrainerConfig:
     sync_batchnorm: bool = False
     nonfinite: str = "stop"
     heartbeat_timeout_s: float | None = 30.0
+    # With checkpoint_dir: on these signals save at the next step boundary and exit with
+    # ddptrain.train.preempt.PREEMPTED_EXIT_CODE (train/preempt.py); () keeps their defaults.
+    preempt_signals: tuple[str, ...] = DEFAULT_PREEMPT_SIGNALS
     check_replicas_every: int | None = None
     zero_stage: int = 0
     loggers: tuple[str, ...] = ("jsonl",)
@@ -122,12 +129,41 @@ class TrainerConfig:
             )
         if self.resume == "auto" and not self.checkpoint_dir:
             raise ConfigError("resume='auto' looks in checkpoint_dir; set checkpoint_dir too")
+        self._check_preemption()
         if self.best_metric is not None and not self.checkpoint_dir:
             raise ConfigError(
                 f"best_metric={self.best_metric!r} marks the best checkpoint in checkpoint_dir; "
                 "set checkpoint_dir too"
             )
         self._check_observability()
+
+    def _check_preemption(self) -> None:
+        minutes = self.checkpoint_every_minutes
+        if minutes is not None:
+            if isinstance(minutes, bool) or not isinstance(minutes, int | float) or minutes <= 0:
+                raise ConfigError(
+                    f"checkpoint_every_minutes must be > 0 (or None), got {minutes!r}"
+                )
+            if not self.checkpoint_dir:
+                raise ConfigError(
+                    f"checkpoint_every_minutes={minutes} saves into checkpoint_dir; set "
+                    "checkpoint_dir too"
+                )
+        if isinstance(self.preempt_signals, str):
+            raise ConfigError(
+                f"preempt_signals={self.preempt_signals!r}: use a tuple of signal names, e.g. "
+                "('SIGTERM', 'SIGUSR1'), or () to leave every signal's default action"
+            )
+        for name in self.preempt_signals:
+            try:
+                number = signal_number(name)
+            except ValueError as e:
+                raise ConfigError(f"preempt_signals: {e}") from None
+            if number in (signal.SIGKILL, signal.SIGSTOP):
+                raise ConfigError(
+                    f"preempt_signals: {number.name} cannot be caught; use SIGTERM, SIGINT, "
+                    "SIGUSR1 or SIGUSR2"
+                )
 
     def check_best_metric(self, metrics: dict[str, float]) -> None:
         """Refuse a best_metric the evaluation does not produce: keep_last would otherwise

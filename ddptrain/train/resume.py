@@ -119,13 +119,14 @@ def save_training_state(
     step: int,
     epoch: int,
     metrics: dict[str, float],
-) -> None:
-    """Rank 0 writes the checkpoint of `step`; a failed save raises on every rank."""
+) -> Path | None:
+    """Rank 0 writes the checkpoint of `step` and returns its path (None elsewhere); a failed
+    save raises on every rank."""
     rng = [None] * info.world_size
     dist.all_gather_object(rng, ckpt.capture_rng_state())
     # Collective for a sharded optimizer (ZeRO gathers every rank's shard), so every rank calls it.
     optimizer_state = optimizer.state_dict()
-    error = None
+    error, path = None, None
     if info.is_main:
         state = {
             "model": model.module.state_dict(),
@@ -139,7 +140,7 @@ def save_training_state(
         }
         best = cfg.best_metric if cfg.best_metric in metrics else None
         try:
-            ckpt.save_checkpoint(
+            path = ckpt.save_checkpoint(
                 cfg.checkpoint_dir,
                 state,
                 step=step,
@@ -154,6 +155,7 @@ def save_training_state(
     error = broadcast_object(error)
     if error:
         raise ckpt.CheckpointError(error)
+    return path
 
 
 def _latest_setting_aside_invalid(directory: str) -> Path | None:

@@ -20,11 +20,14 @@ fit() is the synchronous-SGD loop: init distributed -> seed -> build -> wrap (ra
 everywhere) -> resume -> for each step: per-rank shard of the global batch, forward, backward
 (gradients averaged by the wrapper), optimizer step -> periodic evaluation, logs, checkpoints.
 Every collective runs on every rank; only printing, progress and file writes are rank 0's.
+With checkpoint_dir, a preemption signal (or a lost launcher) saves the step and stops at the
+next step boundary: fit() raises Preempted, a SystemExit (train/preempt.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from typing import Any
 
@@ -35,7 +38,7 @@ from torch.utils.data import Dataset
 
 from ddptrain import profiling
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
-from ddptrain.train import build, health, resume
+from ddptrain.train import build, health, preempt, resume
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.epochs import make_epochs
 from ddptrain.train.evaluation import evaluate, move_to
@@ -51,7 +54,9 @@ from ddptrain.train.log import (
     want_progress_bar,
 )
 
-__all__ = ["NonFiniteError", "Trainer"]
+__all__ = ["NonFiniteError", "Preempted", "Trainer"]
+
+Preempted = preempt.Preempted
 
 
 class Trainer:
@@ -91,13 +96,31 @@ class Trainer:
 
     # ----------------------------------------------------------------------- the recipe
     def fit(self) -> dict[str, Any]:
-        """Train to config.max_steps or config.epochs; return a summary (the same on every rank)."""
+        """Train to config.max_steps or config.epochs; return a summary (the same on every rank).
+
+        Raises Preempted (a SystemExit) when it saved and stopped early (train/preempt.py)."""
         owns_group = not dist.is_initialized()
         self.info = init_distributed(self.config.backend, timeout_s=self.config.timeout_s)
-        timeout = self.config.heartbeat_timeout_s
-        self._heartbeat = Heartbeat(timeout_s=timeout).start() if timeout else None
+        cfg = self.config
+        self._stop = preempt.StopRequest()
+        # Boundaries agree on stops and timed saves: only where a checkpoint can be written.
+        self._stopping = bool(cfg.checkpoint_dir) and bool(
+            cfg.preempt_signals or cfg.checkpoint_every_minutes
+        )
+        timeout = cfg.heartbeat_timeout_s
+        self._heartbeat = (
+            Heartbeat(
+                timeout_s=timeout,
+                agent_pid=self.info.agent_pid,
+                on_launcher_lost=self._stop.launcher_lost if self._stopping else None,
+            ).start()
+            if timeout
+            else None
+        )
         try:
             return self._fit(self.info)
+        except Preempted:
+            raise  # a clean stop: peers stop at the same boundary, none waits for this rank
         except BaseException as e:
             peer = health.peer_error(e, self._heartbeat, self.info.rank, self.step)
             if self._heartbeat:
@@ -142,9 +165,13 @@ class Trainer:
         self._announce(resumed)
         # 7. Loop, then 8. a final evaluation and save.
         self._open_logs(resumed)
+        signals = cfg.preempt_signals if self._stopping else ()
         try:
-            self._train(eval_set)
-            self._finish(eval_set)
+            # Installed for the loop only: before it there is nothing to save, and Ctrl-C
+            # during a rendezvous or a download keeps stopping at once.
+            with self._stop.catching(signals):
+                self._train(eval_set)
+                self._finish(eval_set)
         finally:
             self._close_logs()
         return self._summary()
@@ -241,6 +268,9 @@ class Trainer:
                     "with .mean() (or .sum() / batch size)"
                 )
             scaled = loss / micro
+            if sync and self._flags_ride:
+                # As late as possible: a signal that arrives after this waits one more step.
+                self.model.flag_next_sync(self._stop.wanted(self._save_due()))
             with profiling.mark("ddptrain.backward"):
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return scaled.detach().float()
@@ -290,7 +320,34 @@ class Trainer:
             health.check_replicas(self.model.module)
         self._log_step(force=not self.epochs.lockstep)
         self._maybe_evaluate(eval_set, epoch_done)
-        self._maybe_save(epoch_done)
+        agreed = self._agree_at_boundary() if self._stopping else None
+        self._maybe_save(epoch_done, now=agreed is not None)
+        if agreed is not None and agreed.stop:
+            self._stop_here(agreed)
+
+    def _agree_at_boundary(self) -> preempt.Agreed | None:
+        """Collective: whether any rank wants to stop, or rank 0's clock a save. In lockstep the
+        step's reduction carried the answer; uneven epochs ask once, at their end."""
+        carried = self.model.synced_flag if self._flags_ride and self.epochs.lockstep else None
+        return self._stop.agree(self.info, carried, self._save_due())
+
+    def _save_due(self) -> bool:
+        """Rank 0's clock: checkpoint_every_minutes have passed since the last save."""
+        minutes = self.config.checkpoint_every_minutes
+        if not minutes or not self.info.is_main:
+            return False
+        return time.monotonic() - self._saved_time >= 60 * minutes
+
+    def _stop_here(self, agreed: preempt.Agreed) -> None:
+        """Every rank saved this step (or had): say so once, and stop with the agreed code."""
+        saved = (
+            f"saved {self._saved_path or f'step {self.step}'} in {self._save_s:.2f} s"
+            if self._progress.saved_at == self.step
+            else "nothing new to save"
+        )
+        message = agreed.message(self.step, saved)
+        print0(message, file=sys.stderr)
+        raise Preempted(agreed.exit_code, self.step, message)
 
     def _report_nonfinite(self) -> None:
         """Warn about (policy "skip") or stop at (policy "stop") the steps whose averaged
@@ -334,10 +391,17 @@ class Trainer:
                 self._progress.metrics = self._evaluate_and_log(eval_set)
             self._progress.evaluated_at = self.step
 
-    def _maybe_save(self, epoch_done: bool) -> None:
-        if self.config.checkpoint_dir and self._due(self.config.checkpoint_every_steps, epoch_done):
-            with self._progress.window.paused():
-                self._save()
+    def _maybe_save(self, epoch_done: bool, now: bool = False) -> None:
+        """Save on the step schedule, or `now` (a stop or a timed save), unless this step is
+        saved already."""
+        cfg, progress = self.config, self._progress
+        if not cfg.checkpoint_dir or progress.saved_at == self.step:
+            return
+        if now or self._due(cfg.checkpoint_every_steps, epoch_done):
+            with progress.window.paused():
+                # An uneven epoch resumes from its start: one saved at its end resumes at the
+                # next (an even one's sampler knows by itself that it is used up).
+                self._save(next_epoch=epoch_done and not self.epochs.lockstep)
 
     def _due(self, every_steps: int | None, epoch_done: bool) -> bool:
         """Periodic work runs every `every_steps` optimizer steps, else at each epoch's end;
@@ -353,6 +417,12 @@ class Trainer:
             self._progress.metrics = self._evaluate_and_log(eval_set)
         if self.config.checkpoint_dir and self._progress.saved_at != self.step:
             self._save()
+
+    @property
+    def _flags_ride(self) -> bool:
+        """Whether each step's reduction carries the boundary's question (lockstep, and a model
+        with flag_next_sync); otherwise boundaries ask with a small all_reduce."""
+        return self._stopping and self.epochs.lockstep and hasattr(self.model, "flag_next_sync")
 
     def _summary(self) -> dict[str, Any]:
         cfg, world_size = self.config, self.info.world_size
@@ -383,8 +453,9 @@ class Trainer:
         return metrics
 
     # ----------------------------------------------------------------------- output
-    def _save(self) -> None:
-        resume.save_training_state(
+    def _save(self, next_epoch: bool = False) -> None:
+        started = time.monotonic()
+        self._saved_path = resume.save_training_state(
             self.config,
             self.info,
             self.model,
@@ -393,10 +464,11 @@ class Trainer:
             self.scaler,
             self.sampler,
             step=self.step,
-            epoch=self.epoch,
+            epoch=self.epoch + 1 if next_epoch else self.epoch,
             metrics=self._progress.metrics,
         )
         self._progress.saved_at = self.step
+        self._saved_time, self._save_s = time.monotonic(), time.monotonic() - started
 
     def _announce(self, resumed: bool) -> None:
         resumed_at = self.step if resumed else None
@@ -411,6 +483,8 @@ class Trainer:
         # A resumed run never re-saves the step it resumed from (that file exists).
         saved_at = self.step if resumed else -1
         self._progress = Progress(LossWindow(info.device), self.step, saved_at)
+        # The last save: rank 0's clock times checkpoint_every_minutes from it (or the start).
+        self._saved_time, self._saved_path, self._save_s = time.monotonic(), None, 0.0
         self._log = open_logs(cfg.loggers, cfg.log_dir) if info.is_main and cfg.log_dir else None
         if self._log:
             self._log.write(start_record(cfg, info, self.step))
