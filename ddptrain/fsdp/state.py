@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.fsdp.unit import Unit, in_memory_order
+from ddptrain.fsdp.unit import Unit, all_gather_single, in_memory_order
 
 if TYPE_CHECKING:
     from ddptrain.fsdp.wrapper import FullyShardedDataParallel
@@ -166,7 +166,7 @@ def _gather_state(
             _, a, b, at = unit.pieces[j]
             shard[at : at + b - a].copy_(value.reshape(-1))
     flat = torch.empty(unit.layout.padded_numel, dtype=dtype, device=unit.device)
-    dist.all_gather_single(flat, shard, group=unit.gather_group)
+    all_gather_single(flat, shard, group=unit.gather_group)
     return flat
 
 

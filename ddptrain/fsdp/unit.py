@@ -25,7 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.ddp.buckets import memory_order
+from ddptrain.ddp.groups import global_rank
 from ddptrain.fsdp.units import ParamRef, flat_layout
+
+# torch 2.13's names; earlier versions have only the older ones (same arguments, same order).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Unit:
@@ -48,8 +53,10 @@ class Unit:
                 f"({', '.join(' on '.join(k) for k in kinds)}); a unit is one flat tensor: give "
                 "each dtype its own unit (units=[...]) or convert the model to one dtype"
             )
-        self.module, self.refs = module, refs
+        self.module = module
         self.names = [r.name for r in refs]
+        # Where each parameter is held; not the parameters: the originals must be freed.
+        self.owners = [r.owners for r in refs]
         self.rank, self.world_size = rank, world_size
         self.gather_group, self.reduce_group = gather_group, reduce_group
         self.layout = flat_layout([p.numel() for p in params], world_size)
@@ -60,10 +67,8 @@ class Unit:
         self.pieces = self._pieces[rank]
         # Dense parameters (channels_last too) keep their strides: shards hold memory order.
         self.strides = [torch.empty_like(p).stride() for p in params]
-        self.shard_flat = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            for p, stride, (_, a, b, at) in zip(params, self.strides, self.pieces, strict=True):
-                self.shard_flat[at : at + b - a].copy_(in_memory_order(p, stride)[a:b])
+        self.shard_flat = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        self._take_from_rank0(params)
         self.shards = [
             nn.Parameter(self.shard_flat[at : at + b - a], requires_grad=p.requires_grad)
             for p, (_, a, b, at) in zip(params, self.pieces, strict=True)
@@ -78,6 +83,19 @@ class Unit:
         self.gathered = False
         # The reduce-scatter started and not yet finished: (work, send buffer, receive buffer).
         self._reduction: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def _take_from_rank0(self, params: list[torch.Tensor]) -> None:
+        """Collective on the gather group: this rank's part of rank 0's parameters. Rank 0 lays
+        out one unit at a time, so no rank holds a second copy of the whole model."""
+        parts = None
+        if self.rank == 0:
+            whole = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            for p, o, stride in zip(params, self.layout.offsets, self.strides, strict=True):
+                whole[o : o + p.numel()].copy_(in_memory_order(p, stride))
+            parts = list(whole.chunk(self.world_size))
+        src = global_rank(self.gather_group, 0)
+        dist.scatter(self.shard_flat, parts, src=src, group=self.gather_group)
 
     @property
     def trainable(self) -> bool:
@@ -96,7 +114,7 @@ class Unit:
         if self.gathered or self._gathering is not None:
             return
         _resize(self.flat, self.layout.padded_numel)
-        self._gathering = dist.all_gather_single(
+        self._gathering = all_gather_single(
             self.flat, self.shard_flat, group=self.gather_group, async_op=True
         )
 
@@ -109,17 +127,17 @@ class Unit:
 
     def use_full(self) -> None:
         """Point every module attribute at the whole (gathered) parameter."""
-        for full, shard, ref in zip(self.full, self.shards, self.refs, strict=True):
+        for full, shard, owners in zip(self.full, self.shards, self.owners, strict=True):
             if full.requires_grad != shard.requires_grad:
                 full.requires_grad_(shard.requires_grad)  # frozen or unfrozen since
-            for module, name in ref.owners:
+            for module, name in owners:
                 # The dict itself: setattr's checks cost ~10 us per parameter, twice per step.
                 module._parameters[name] = full
 
     def use_shards(self) -> None:
         """Point every module attribute at this rank's shard."""
-        for shard, ref in zip(self.shards, self.refs, strict=True):
-            for module, name in ref.owners:
+        for shard, owners in zip(self.shards, self.owners, strict=True):
+            for module, name in owners:
                 module._parameters[name] = shard
 
     def free(self) -> None:
@@ -159,7 +177,7 @@ class Unit:
                 parts[rank, start:stop].zero_()
         parts[:, shard_numel:] = torch.tensor(used, dtype=self.dtype)
         receive = torch.empty(shard_numel + n, dtype=self.dtype, device=self.device)
-        work = dist.reduce_scatter_single(receive, send, group=self.reduce_group, async_op=True)
+        work = reduce_scatter_single(receive, send, group=self.reduce_group, async_op=True)
         self._reduction = (work, send, receive)
 
     def finish_gradients(self) -> None:

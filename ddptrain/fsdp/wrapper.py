@@ -46,10 +46,10 @@ from ddptrain.fsdp.step import (
 from ddptrain.fsdp.unit import Unit
 from ddptrain.fsdp.units import DEFAULT_UNIT_MIN_NUMEL, choose_units, group_parameters
 
-# Reduce-scatters in flight at once: each holds a unit-sized send buffer, so the gradient
-# memory of a backward stays near one shard plus two units, while the next unit's backward
-# still overlaps the last one's communication.
-MAX_REDUCING = 2
+# Reduce-scatters in flight at once: each holds a unit-sized send buffer. One overlaps the next
+# unit's backward; the one after it waits for it, so the gradient memory of a backward stays
+# near one shard plus two units (the one computing, the one travelling).
+MAX_REDUCING = 1
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -98,8 +98,7 @@ class FullyShardedDataParallel(nn.Module):
             list(module.named_parameters()), list(module.named_buffers()), process_group
         )
         with torch.no_grad():
-            tensors = [p.detach() for p in module.parameters()] + list(module.buffers())
-            broadcast_coalesced(coalesce(tensors), process_group)
+            broadcast_coalesced(coalesce(list(module.buffers())), process_group)
         unit_modules = choose_units(module, units, unit_min_numel)
         groups = group_parameters(module, unit_modules)
         # Gathers and reduce-scatters each on a group of their own: each group's collectives
@@ -108,6 +107,7 @@ class FullyShardedDataParallel(nn.Module):
         self._gather_group = new_group_like(process_group)
         self._reduce_group = new_group_like(process_group)
         close_at_shutdown(self.close)
+        # Each unit takes its shard of rank 0's parameters (a scatter, one unit at a time).
         self.units = [
             Unit(m, refs, self.rank, self.world_size, self._gather_group, self._reduce_group)
             for m, refs in zip(unit_modules, groups, strict=True)
