@@ -297,6 +297,98 @@ def _case_memory(info) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------- states and errors
+def _case_states_at_any_size(info) -> dict:
+    """A plain model's state and a plain AdamW's (two local steps: every rank the same) load at
+    this world size and come back bitwise from state_dict() and optim_state_dict(); the
+    channels_last LeNet keeps its strides."""
+    out = {}
+    for name in ("wide", "channels_last", "tied"):
+        torch.manual_seed(5)
+        plain = MODELS[name][0]()
+        opt = _optimizer("adamw", plain)
+        for step in range(2):
+            x, y = toy_models.batch(MODELS[name][1], step, 0)
+            opt.zero_grad()
+            toy_models.loss_of(MODELS[name][1], plain, x, y, 0).backward()
+            opt.step()
+        torch.manual_seed(6 + info.rank)  # other weights: loading must replace them
+        ours = _wrap(name, MODELS[name][0](), 3, info.rank)
+        ours_opt = _optimizer("adamw", ours)
+        ours.load_state_dict(plain.state_dict())
+        ours.load_optim_state_dict(ours_opt, opt.state_dict())
+        back, back_opt = ours.state_dict(), ours.optim_state_dict(ours_opt)
+        plain_state = plain.state_dict()
+        out[name] = {
+            "model": back.keys() == plain_state.keys()
+            and all(torch.equal(back[k], v) for k, v in plain_state.items())
+            and all(_layout(back[k]) == _layout(v) for k, v in plain_state.items()),
+            "optimizer": _state_diff(back_opt, opt.state_dict()),
+        }
+    return out
+
+
+def _message(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def _case_errors(info) -> dict:
+    """Each misuse's message (on every rank alike: no hang)."""
+    torch.manual_seed(0)
+    out = {}
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model = FullyShardedDataParallel(net, units=[net[0], net[1]])
+    x = torch.randn(2, 4)
+    out["comm_hook"] = _message(lambda: model.register_comm_hook(None, None))
+    out["join"] = _message(lambda: model.join())
+    out["module_directly"] = _message(lambda: model.module(x))
+    loss = model(x).sum()
+    out["state_dict_mid_step"] = _message(lambda: model.state_dict())
+    loss.backward(retain_graph=True)
+    out["backward_twice"] = _message(lambda: loss.backward())
+
+    class Twice(nn.Module):
+        """A unit called twice in one forward."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.other = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.other(self.layer(self.layer(t)))
+
+    twice = Twice()
+    out["unit_twice"] = _message(FullyShardedDataParallel(twice, units=[twice.layer]).__call__, x)
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
+    out["mixed_dtypes"] = _message(lambda: FullyShardedDataParallel(mixed))
+    out["foreign_optimizer"] = _message(
+        lambda: model.optim_state_dict(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    )
+    out["wrong_shape"] = _message(
+        lambda: model.load_state_dict({**model.state_dict(), "0.weight": torch.zeros(5, 4)})
+    )
+
+    class Swapped(nn.Module):
+        """Two equal layers run in an order that depends on the rank: their gathers pair wrongly."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            first, second = (self.a, self.b) if info.rank == 0 else (self.b, self.a)
+            return second(first(t))
+
+    swapped = Swapped()
+    order = FullyShardedDataParallel(swapped, units=[swapped.a, swapped.b])
+    out["order"] = _message(lambda: order(x))
+    return out
+
+
 CASES = {
     "equal_to_ddp": _case_equal_to_ddp,
     "accumulation": _case_accumulation,
@@ -304,13 +396,15 @@ CASES = {
     "one_step_ws3": _case_one_step_ws3,
     "smooth_ws3": _case_smooth_ws3,
     "memory": _case_memory,
+    "states": _case_states_at_any_size,
+    "errors": _case_errors,
 }
 world = worlds.fixture(
     CASES,
     {
         1: ["equal_to_ddp"],
-        2: ["equal_to_ddp", "accumulation", "fully_shard", "memory"],
-        3: ["one_step_ws3", "smooth_ws3", "memory"],
+        2: ["equal_to_ddp", "accumulation", "fully_shard", "memory", "states", "errors"],
+        3: ["one_step_ws3", "smooth_ws3", "memory", "states"],
     },
 )
 
@@ -383,3 +477,37 @@ def test_each_rank_holds_its_share_of_parameters_and_state(world, world_size):
         assert abs(r["params"] - total / world_size) <= slack, r
         assert r["state"] == 2 * r["params"], r
     assert sum(r["params"] for r in results) == total
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_plain_states_load_at_any_world_size_and_come_back_bitwise(world, world_size):
+    """A plain module's state_dict and a plain AdamW's load into the sharded wrapper and its
+    optimizer at ws 2 and 3; state_dict() and optim_state_dict() give them back bitwise, in
+    the plain layouts (channels_last strides, the tied weight under both names)."""
+    for rank, r in enumerate(worlds.outcome(world(world_size), "states")):
+        for name, d in r.items():
+            assert d["model"] and d["optimizer"] == 0.0, (rank, name, d)
+
+
+ERRORS = {
+    "comm_hook": "reduce-scatters gradients, so a DDP comm hook",
+    "join": "uneven inputs (torch's Join) are not supported",
+    "module_directly": "outside the wrapper's forward",
+    "state_dict_mid_step": "state_dict() runs between steps",
+    "backward_twice": "backward was called twice on one forward",
+    "unit_twice": "ran twice in one forward",
+    "mixed_dtypes": "holds parameters of several dtypes",
+    "foreign_optimizer": "is not one of this wrapper's parameters",
+    "wrong_shape": "size mismatch for parameter '0.weight'",
+    "order": "ranks ran different units in their first forward",
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_misuse_is_a_clear_error_on_every_rank(world, case):
+    """Comm hooks, join, the module called directly, a state_dict between forward and
+    backward, a second backward, a unit run twice, mixed dtypes in a unit, a foreign optimizer,
+    a wrong shape and ranks running units in different orders each raise, naming the fix, on
+    every rank (no hang)."""
+    messages = [r[case] for r in worlds.outcome(world(2), "errors")]
+    assert all(m is not None and ERRORS[case] in m for m in messages), messages
