@@ -4,6 +4,7 @@
     load_full_state_dict(model, state)              # each rank keeps its pieces
     optim_state = full_optim_state_dict(model, opt)       # collective: the plain optimizer's
     load_full_optim_state_dict(model, opt, optim_state)   # each rank keeps its pieces
+    norm = whole_grad_norm(model)                   # collective: the whole gradient's norm
 
 The saved layouts are those of the unwrapped module and of the same optimizer built on it: keys
 and shapes as `module.state_dict()`, state keyed by parameter index in `param_groups` order with
@@ -188,3 +189,18 @@ def _detach(value: Any) -> Any:
 
 def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def whole_grad_norm(model: FullyShardedDataParallel, norm_type: float = 2.0) -> torch.Tensor:
+    """Collective: the norm of the whole gradient from every rank's shards (the sum of their
+    p-th powers, or their max for the inf-norm), summed in float64."""
+    grads = [s.grad for u in model.units for s in u.shards if s.grad is not None]
+    local = torch.nn.utils.get_total_norm(grads, norm_type)
+    if model.world_size == 1:
+        return local
+    if norm_type == float("inf"):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=model.process_group)
+        return local
+    powered = local.double() ** norm_type
+    dist.all_reduce(powered, group=model.process_group)
+    return (powered ** (1.0 / norm_type)).to(local.dtype)

@@ -45,6 +45,33 @@ class Pass:
         self.reducing: list[Unit] = []
         self.callback_queued = False
 
+    def enter(self, unit: Unit) -> None:
+        """A unit's forward starts in this pass (grad enabled): record it, refusing a second
+        run and a forward outside the wrapper's (the pass is over or never began)."""
+        if self.done:
+            raise RuntimeError(
+                "a unit's forward ran with gradients outside the wrapper's forward (the wrapped "
+                "module called directly?): call the FullyShardedDataParallel wrapper, or run "
+                "under torch.no_grad() inside summon_full_params()"
+            )
+        if unit in self.ran:
+            raise RuntimeError(
+                f"unit {describe(unit)} ran twice in one forward; a unit runs once per forward "
+                "(its gradients are reduced when its backward ends): make the module that is "
+                "called twice part of a larger unit (units=[...])"
+            )
+        self.ran.append(unit)
+
+    def check_current(self, current: Pass) -> None:
+        """Refuse a backward hook of a pass that is over (a second backward, or one after
+        another forward)."""
+        if self is not current or self.done:
+            raise RuntimeError(
+                "backward of a forward that is over: backward was called twice on one forward, "
+                "or after another forward, under FullyShardedDataParallel. Run each forward's "
+                "backward before the next forward, once"
+            )
+
 
 class PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the gradients of those inputs are

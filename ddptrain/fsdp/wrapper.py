@@ -36,13 +36,7 @@ from ddptrain.ddp.buffers import ModelBuffers
 from ddptrain.ddp.groups import close_at_shutdown, new_group_like, release_group
 from ddptrain.ddp.replicas import broadcast_coalesced, coalesce, verify_same_model
 from ddptrain.fsdp import state
-from ddptrain.fsdp.step import (
-    Pass,
-    PostBackward,
-    check_no_late_gradients,
-    check_same_order,
-    describe,
-)
+from ddptrain.fsdp.step import Pass, PostBackward, check_no_late_gradients, check_same_order
 from ddptrain.fsdp.unit import Unit
 from ddptrain.fsdp.units import DEFAULT_UNIT_MIN_NUMEL, choose_units, group_parameters
 
@@ -148,21 +142,9 @@ class FullyShardedDataParallel(nn.Module):
         if self._summoned:
             return None
         p = self._pass
-        if torch.is_grad_enabled() and p.done:
-            raise RuntimeError(
-                "a unit's forward ran with gradients outside the wrapper's forward (the wrapped "
-                "module called directly?): call the FullyShardedDataParallel wrapper, or run "
-                "under torch.no_grad() inside summon_full_params()"
-            )
         training = torch.is_grad_enabled()
         if training:
-            if unit in p.ran:
-                raise RuntimeError(
-                    f"unit {describe(unit)} ran twice in one forward; a unit runs once per "
-                    "forward (its gradients are reduced when its backward ends): make the "
-                    "module that is called twice part of a larger unit (units=[...])"
-                )
-            p.ran.append(unit)
+            p.enter(unit)
         unit.gather()
         unit.wait()
         unit.use_full()
@@ -219,7 +201,7 @@ class FullyShardedDataParallel(nn.Module):
     # ----------------------------------------------------------------------------- backward
     def _before_backward(self, unit: Unit, p: Pass, *grads: Any) -> None:
         """Gradients reached a unit's outputs: gather it (ZeRO-3) and prefetch the next."""
-        self._check_pass(p)
+        p.check_current(self._pass)
         self._queue_end_of_backward(p)
         position = p.gather_position.get(id(unit))
         if position is None:
@@ -245,7 +227,7 @@ class FullyShardedDataParallel(nn.Module):
     def _after_backward(self, unit: Unit, p: Pass) -> None:
         """A unit's backward is done (its inputs' gradients are computed): free its parameters,
         reduce-scatter its gradients when their turn in reduce_order comes."""
-        self._check_pass(p)
+        p.check_current(self._pass)
         self._queue_end_of_backward(p)
         unit.free()
         p.ready.add(id(unit))
@@ -283,14 +265,6 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self.units:
             unit.free()
         self._pass.done = True
-
-    def _check_pass(self, p: Pass) -> None:
-        if p is not self._pass or p.done:
-            raise RuntimeError(
-                "backward of a forward that is over: backward was called twice on one forward, "
-                "or after another forward, under FullyShardedDataParallel. Run each forward's "
-                "backward before the next forward, once"
-            )
 
     # ----------------------------------------------------------------------------- sync
     @contextlib.contextmanager
@@ -372,16 +346,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Collective: the norm of the whole gradient, from every rank's shards."""
-        grads = [s.grad for u in self.units for s in u.shards if s.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads, norm_type)
-        if self.world_size == 1:
-            return local
-        if norm_type == float("inf"):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
-            return local
-        powered = local.double() ** norm_type
-        dist.all_reduce(powered, group=self.process_group)
-        return (powered ** (1.0 / norm_type)).to(local.dtype)
+        return state.whole_grad_norm(self, norm_type)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Collective: scale every shard's gradient so the whole gradient's norm is at most
