@@ -75,8 +75,9 @@ class Pass:
 
 class PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the gradients of those inputs are
-    computed: the unit's own backward is over (autograd runs a parameter's AccumulateGrad
-    before any node created earlier), so its gradients are complete."""
+    computed: the unit's own backward is over. Autograd runs ready nodes latest-created first
+    and a parameter's AccumulateGrad before any, and this node was created before every op of
+    the unit, so the unit's gradients are accumulated by then."""
 
     @staticmethod
     def forward(ctx: Any, on_backward: Any, *inputs: torch.Tensor) -> Any:
