@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 from torch import nn
 
-ALIGN = 64
+from ddptrain.optim.partition import ALIGN
+
 # The size policy's default: a submodule holding at least this many parameters not already in a
 # smaller unit becomes a unit (4 MiB of float32): big enough that a collective's fixed latency
 # is small beside its transfer, small enough that one unit is a small part of a large model.
