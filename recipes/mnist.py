@@ -298,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         choices=ZERO_STAGES,
         default=0,
-        help="1: shard the optimizer state across ranks, ZeRO stage 1 (default: %(default)s)",
+        help="shard across ranks: 1 the optimizer state (ZeRO-1), 2 the gradients too, 3 the "
+        "parameters too (default: %(default)s)",
     )
     train.add_argument(
         "--dry-run",
@@ -453,8 +454,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.profile_steps = _step_range(p, args.profile_steps)
     if args.channels_last is None:
-        args.channels_last = args.zero_stage == 0
-    elif args.channels_last and args.zero_stage:
+        args.channels_last = args.zero_stage != 1
+    elif args.channels_last and args.zero_stage == 1:
         p.error(
             "--zero-stage 1 shards flat, contiguous parameters; drop --channels-last "
             "(--zero-stage 1 turns it off by default)"

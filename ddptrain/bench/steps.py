@@ -5,6 +5,7 @@
     python -m ddptrain.bench --models mlp --steps 60 --extras bf16,fp16,ring
     python -m ddptrain.bench --world-size 3 --out bench-results/ws3
     python -m ddptrain.bench --models mlp,lenet --extras adamw,zero,zero-sgd   # ZeRO stage 1
+    python -m ddptrain.bench --models mlp,deep-mlp --extras zero2,zero3,torch_fsdp  # stages 2, 3
     python -m ddptrain.bench --models mlp --extras gloo --ladder   # docs/walkthrough.md's steps
     python -m ddptrain.bench --models lenet-recipe --extras none --sync-only   # cost of a sync
     torchrun --nproc_per_node=2 -m ddptrain.bench --quick   # ranks from a launcher, any hosts
@@ -51,6 +52,8 @@ from ddptrain.bench.report import format_table, machine, plot, summarize
 from ddptrain.ddp.hooks import GradBucket, Transport
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import LaunchError, launched_by
+from ddptrain.fsdp.units import choose_units
+from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.optim.zero import ZeroRedundancyOptimizer
 
 BASE_VARIANTS = ("ddptrain", "torch_ddp", "naive", "local")
@@ -71,6 +74,10 @@ OPTIMIZER_EXTRAS = {
     "zero": (torch.optim.AdamW, True),
     "zero-sgd": (torch.optim.SGD, True),
 }
+# Opt-in sharded variants, named as they are: ddptrain's fully sharded wrapper as ZeRO-2 and
+# ZeRO-3, and torch's fully_shard (FSDP2, ZeRO-3) on the same units (the wrapper's size policy),
+# all stepping plain SGD on their shards like the base variants.
+SHARDED_EXTRAS = ("zero2", "zero3", "torch_fsdp")
 # Opt-in (--ladder) rungs of docs/walkthrough.md, between "naive" and "ddptrain_gloo": each adds
 # one idea to the one before, all over the backend's all_reduce.
 LADDER = ("flat", "hooked", "hooked_rebuild")
@@ -117,6 +124,14 @@ def _make_variant(name: str, base: nn.Module, world_size: int) -> tuple[nn.Modul
             rebuild_buckets=name == "hooked_rebuild",
             gradient_as_bucket_view=False,
         )
+    elif name in ("zero2", "zero3"):
+        model = FullyShardedDataParallel(module, reshard_after_forward=name == "zero3")
+    elif name == "torch_fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in reversed(choose_units(module, None)[1:]):
+            fully_shard(unit)
+        model = fully_shard(module)
     elif name == "torch_ddp":
         model = TorchDDP(module)
     elif name == "naive":
@@ -227,7 +242,8 @@ def _keep_freed_memory() -> bool:
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     malloc_fixed = not args.stock_malloc and _keep_freed_memory()
     info = ddptrain.init_distributed(backend=args.backend)
-    variants = list(BASE_VARIANTS) + [f"ddptrain_{e}" for e in args.extras]
+    variants = list(BASE_VARIANTS)
+    variants += [e if e in SHARDED_EXTRAS else f"ddptrain_{e}" for e in args.extras]
     variants += list(LADDER) if args.ladder else []
     variants += [SYNC_ONLY] if args.sync_only else []
     out: dict[str, Any] = {
@@ -253,7 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n")[0],
         epilog="Other modes, each with its own --help: --recipe (the whole recipe run against "
         "the standard stack and the no-communication floor), --memory (peak RSS per rank), "
-        "--two-hosts (step times across two network namespaces; root).",
+        "--capped (training under a per-rank memory cap), --two-hosts (step times across two "
+        "network namespaces; root).",
     )
     p.add_argument(
         "--world-size", type=int, default=None, help="ranks to spawn (default 2; a launcher's own)"
@@ -267,8 +284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--extras",
         default=",".join(EXTRAS),
-        help=f"opt-in ddptrain variants: subset of {','.join([*EXTRAS, *OPTIMIZER_EXTRAS])}, "
-        "or 'none'",
+        help="opt-in variants: subset of "
+        f"{','.join([*EXTRAS, *OPTIMIZER_EXTRAS, *SHARDED_EXTRAS])}, or 'none'",
     )
     p.add_argument("--ladder", action="store_true", help=f"add {', '.join(LADDER)}")
     p.add_argument(
@@ -292,9 +309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = [m for m in args.models.split(",") if m]
     unknown = [m for m in args.models if m not in MODELS]
     args.extras = [] if args.extras == "none" else [e for e in args.extras.split(",") if e]
-    unknown += [e for e in args.extras if e not in EXTRAS and e not in OPTIMIZER_EXTRAS]
+    extras = [*EXTRAS, *OPTIMIZER_EXTRAS, *SHARDED_EXTRAS]
+    unknown += [e for e in args.extras if e not in extras]
     if unknown:
-        extras = [*EXTRAS, *OPTIMIZER_EXTRAS]
         p.error(f"unknown model/extra {unknown}; models: {list(MODELS)}, extras: {extras}")
     args.ring_sizes = [int(s) for s in args.ring_sizes.split(",")]
     return args

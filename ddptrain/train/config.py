@@ -25,8 +25,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # named in ddptrain.ddp.hooks.NAMES.
 COMM_HOOKS = ("default", *NAMES)
 NONFINITE_POLICIES = ("stop", "skip")
-# 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks.
-ZERO_STAGES = (0, 1)
+# 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks;
+# 2: gradients too (reduce-scattered); 3: parameters too, gathered per unit as they are used.
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 class ConfigError(ValueError):
@@ -121,8 +122,9 @@ class TrainerConfig:
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
             raise ConfigError(
                 f"zero_stage={self.zero_stage!r} is not one of {list(ZERO_STAGES)}: 1 shards the "
-                "optimizer state across ranks (ZeRO stage 1); stages 2 and 3 are not implemented"
+                "optimizer state across ranks, 2 the gradients too, 3 the parameters too"
             )
+        self._check_sharded()
         if self.resume is not None and self.resume != "auto" and not isinstance(self.resume, str):
             raise ConfigError(
                 f"resume must be None, 'auto' or a checkpoint path, got {self.resume!r}"
@@ -164,6 +166,29 @@ class TrainerConfig:
                     f"preempt_signals: {number.name} cannot be caught; use SIGTERM, SIGINT, "
                     "SIGUSR1 or SIGUSR2"
                 )
+
+    def _check_sharded(self) -> None:
+        """Refuse what cannot work when gradients and parameters are sharded (stages 2, 3)."""
+        if self.zero_stage < 2:
+            return
+        stage = f"zero_stage={self.zero_stage}"
+        if self.comm_hook != "default":
+            raise ConfigError(
+                f"comm_hook={self.comm_hook!r} with {stage}: stages 2 and 3 reduce-scatter "
+                "gradients over the backend, and comm hooks reduce whole buckets under the DDP "
+                "wrapper; use comm_hook='default', or zero_stage 0 or 1"
+            )
+        if self.check_replicas_every is not None:
+            raise ConfigError(
+                f"check_replicas_every with {stage}: each rank holds its own shard of the "
+                "parameters, so there are no replicas to compare; set check_replicas_every=None"
+            )
+        if self.precision == "fp16":
+            raise ConfigError(
+                f"precision='fp16' with {stage}: GradScaler would look for inf/NaN in each "
+                "rank's gradient shard alone, and ranks could disagree on skipping a step; use "
+                "precision='bf16' or 'fp32'"
+            )
 
     def check_best_metric(self, metrics: dict[str, float]) -> None:
         """Refuse a best_metric the evaluation does not produce: keep_last would otherwise

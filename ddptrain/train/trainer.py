@@ -159,7 +159,14 @@ class Trainer:
         # 6. Resume the optimizer, sampler and RNG states.
         if resume_state is not None:
             self.step, self.epoch = resume.apply_resume_state(
-                resume_state, cfg, info, self.optimizer, self.scheduler, self.scaler, self.sampler
+                resume_state,
+                cfg,
+                info,
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                self.sampler,
+                model=self.model,
             )
         resumed = resume_state is not None
         self._announce(resumed)
@@ -286,11 +293,7 @@ class Trainer:
         scaler, optimizer = self.scaler, self.optimizer
         if scaler is not None:
             scaler.unscale_(optimizer)
-        params = [p for p in self.model.module.parameters() if p.grad is not None]
-        if self.config.grad_clip_norm is not None:
-            norm = nn.utils.clip_grad_norm_(params, self.config.grad_clip_norm)
-        else:
-            norm = nn.utils.get_total_norm([p.grad for p in params])
+        norm = build.grad_norm(self.model, self.config.grad_clip_norm)
         if scaler is not None:
             # GradScaler skips steps with inf/NaN itself: they are expected while it calibrates.
             scaler.step(optimizer)
@@ -432,14 +435,15 @@ class Trainer:
     def _evaluate_and_log(self, eval_set: Dataset | None) -> dict[str, float]:
         if eval_set is None:
             return {}
-        metrics = evaluate(
-            self.model.module,
-            eval_set,
-            self.validation_step,
-            batch_size=self.config.eval_batch_size,
-            device=self.info.device,
-            autocast=self._autocast,
-        )
+        with build.whole_parameters(self.model):
+            metrics = evaluate(
+                self.model.module,
+                eval_set,
+                self.validation_step,
+                batch_size=self.config.eval_batch_size,
+                device=self.info.device,
+                autocast=self._autocast,
+            )
         self.config.check_best_metric(metrics)
         if metrics:
             build.plateau_step(self.config, self.scheduler, metrics)
