@@ -76,7 +76,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             group.update({k: v for k, v in local.items() if k != "params"})
         self.state = self.local.state  # this rank's shard, keyed by the inner optimizer's views
         self._calls = self._plan_sharing()
-        self._stands_for: torch.optim.Optimizer | None = None
+        # The optimizer this one replaces (from_optimizer), which LR schedulers were built on.
+        self.stands_for: torch.optim.Optimizer | None = None
         self._ready = True
 
     @classmethod
@@ -98,7 +99,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
         zero = cls(groups, type(optimizer), process_group, **defaults)
         zero.param_groups = optimizer.param_groups
-        zero._stands_for = optimizer
+        zero.stands_for = optimizer
         return zero
 
     # ------------------------------------------------------------------------ sharding
@@ -180,9 +181,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             view.grad = None  # the views would keep a freed gradient alive
         if self.world_size > 1:
             broadcast_calls(self._calls, self.rank, self.process_group)
-        if self._stands_for is not None:
-            # An LR scheduler built on the original optimizer checks it was stepped first.
-            self._stands_for._opt_called = True
+        if self.stands_for is not None:
+            # An LR scheduler built on the original optimizer checks (through torch's private
+            # flag) that it was stepped first: it was, through this one.
+            self.stands_for._opt_called = True
         return loss
 
     # ------------------------------------------------------------------------ join

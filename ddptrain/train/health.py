@@ -26,12 +26,14 @@ process is still running `timeout_s` later, exits with LOST_RANK_EXIT_CODE itsel
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -67,10 +69,12 @@ class LauncherLostError(RuntimeError):
     """This rank's launcher or the store it hosts is gone; names which."""
 
 
+# Heartbeats built in this process so far: each takes the next number as its key prefix.
+_HEARTBEATS = itertools.count(1)
+
+
 class Heartbeat:
     """A daemon thread that beats for this rank and exits the process if a peer goes silent."""
-
-    _instances = 0
 
     def __init__(
         self,
@@ -92,8 +96,7 @@ class Heartbeat:
         # A key prefix per Heartbeat: a second fit() in the same group must not read the first
         # one's done/<rank> marks, or it would never watch its peers. Every rank builds its
         # Heartbeats in the same order, so the numbers agree.
-        Heartbeat._instances += 1
-        self._store = dist.PrefixStore(f"ddptrain/heartbeat/{Heartbeat._instances}", base)
+        self._store = dist.PrefixStore(f"ddptrain/heartbeat/{next(_HEARTBEATS)}", base)
         self._store_address = _tcp_address(base)
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -269,6 +272,38 @@ def check_replicas(module: nn.Module, group: Any = None) -> None:
             )
 
 
+@contextlib.contextmanager
+def watching(
+    timeout_s: float | None, agent_pid: int | None, on_launcher_lost: Any = None
+) -> Iterator[Heartbeat | None]:
+    """Run the block with a Heartbeat watching the peers (none when timeout_s is None);
+    stopped when the block ends (explain_failure says why it ended, on an error)."""
+    heartbeat = (
+        Heartbeat(timeout_s=timeout_s, agent_pid=agent_pid, on_launcher_lost=on_launcher_lost)
+        if timeout_s
+        else None
+    )
+    if heartbeat is not None:
+        heartbeat.start()
+    try:
+        yield heartbeat
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def explain_failure(
+    error: BaseException, heartbeat: Heartbeat | None, rank: int, step: int
+) -> BaseException:
+    """The error to raise for `error`: the peer's, when a peer caused it; peers blocked on
+    this rank are told why it left."""
+    peer = peer_error(error, heartbeat, rank, step)
+    if heartbeat is not None:
+        # Before the group goes: a peer blocked on this rank reports why it left.
+        heartbeat.stop(error=one_line(peer or error))
+    return peer or error
+
+
 def one_line(error: BaseException, limit: int = 300) -> str:
     """`Type: first line of the message`, at most `limit` characters."""
     text = str(error).strip()
@@ -319,6 +354,18 @@ def on_nonfinite_gradients(
     dist.all_gather_object(flags, bool(torch.isfinite(local_loss)))
     bad = [rank for rank, finite in enumerate(flags) if not finite]
     report_nonfinite(step, bad, policy=policy, checkpoint_dir=checkpoint_dir)
+
+
+def report_nonfinite_steps(
+    mine: list[tuple[int, bool]], policy: str, checkpoint_dir: str | None
+) -> None:
+    """Collective: report every rank's skipped steps, given as (step, whether this rank's own
+    loss was finite), naming for each the ranks whose loss was not."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for step in sorted({step for theirs in everyone for step, _ in theirs}):
+        bad = [r for r, theirs in enumerate(everyone) if (step, False) in theirs]
+        report_nonfinite(step, bad, policy=policy, checkpoint_dir=checkpoint_dir)
 
 
 def report_nonfinite(step: int, bad: list[int], *, policy: str, checkpoint_dir: str | None) -> None:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.dist import DistInfo
+from ddptrain.dist import DistInfo, print0
 from ddptrain.train.health import LOST_RANK_EXIT_CODE
 
 # Saved and stopped on a signal: run the same command again to resume. Distinct from the
@@ -164,3 +166,53 @@ class StopRequest:
         codes = {code for why, code in everyone if why is not None}
         exit_code = LOST_RANK_EXIT_CODE if LOST_RANK_EXIT_CODE in codes else PREEMPTED_EXIT_CODE
         return Agreed(stop=bool(reasons), exit_code=exit_code, reasons=reasons)
+
+
+class Boundary:
+    """The Trainer's step boundaries: where every rank learns whether any wants to stop, or
+    rank 0's clock a timed save; enabled only where a checkpoint can be written."""
+
+    def __init__(self, cfg: Any, info: DistInfo) -> None:
+        self.info = info
+        self.stop = StopRequest()
+        self.enabled = bool(cfg.checkpoint_dir) and bool(
+            cfg.preempt_signals or cfg.checkpoint_every_minutes
+        )
+        self.signals = tuple(cfg.preempt_signals) if self.enabled else ()
+        self._minutes = cfg.checkpoint_every_minutes
+        # The last save: rank 0's clock times checkpoint_every_minutes from it (or the start).
+        self._saved_time, self._saved_path, self._save_s = time.monotonic(), None, 0.0
+
+    def on_launcher_lost(self) -> Any:
+        """The heartbeat's callback when this rank's launcher is gone (None: stop at once)."""
+        return self.stop.launcher_lost if self.enabled else None
+
+    def save_due(self) -> bool:
+        """Rank 0's clock: checkpoint_every_minutes have passed since the last save."""
+        if not self._minutes or not self.info.is_main:
+            return False
+        return time.monotonic() - self._saved_time >= 60 * self._minutes
+
+    def wanted(self) -> int:
+        """This rank's value for the next boundary (to carry with the step's reduction)."""
+        return self.stop.wanted(self.save_due())
+
+    def agree(self, carried: int | None) -> Agreed | None:
+        """Collective: None when no rank wants anything, else what they agreed (`carried`: the
+        sum the step's reduction carried; None asks with one small all_reduce)."""
+        return self.stop.agree(self.info, carried, self.save_due())
+
+    def saved(self, path: Any, seconds: float) -> None:
+        """A checkpoint was written (rank 0 knows its path) in `seconds`."""
+        self._saved_time, self._saved_path, self._save_s = time.monotonic(), path, seconds
+
+    def stopped(self, agreed: Agreed, step: int, saved_here: bool) -> Preempted:
+        """The Preempted to raise as every rank stops at `step`; rank 0 prints why, once."""
+        saved = (
+            f"saved {self._saved_path or f'step {step}'} in {self._save_s:.2f} s"
+            if saved_here
+            else "nothing new to save"
+        )
+        message = agreed.message(step, saved)
+        print0(message, file=sys.stderr)
+        return Preempted(agreed.exit_code, step, message)

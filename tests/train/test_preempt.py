@@ -139,13 +139,8 @@ def _count_all_reduces() -> list[int]:
     return count
 
 
-def _stop_and_resume(config: TrainerConfig, fault: dict, root: str, no_flag_api: bool) -> dict:
+def _stop_and_resume(config: TrainerConfig, fault: dict, root: str) -> dict:
     """In one world: a straight run, a run stopped by `fault`, and that run started again."""
-    if no_flag_api:
-        # A wrapper without flag_next_sync (a future FSDP one): boundaries ask with all_reduce.
-        from ddptrain.ddp.wrapper import DistributedDataParallel
-
-        del DistributedDataParallel.flag_next_sync
     interrupted = _interrupt_saves_of(fault["step"] + 1) if fault["kind"] == "sigint" else []
     all_reduces = _count_all_reduces()
     straight = _outcome(ToyTrainer(replace(config, checkpoint_dir=f"{root}/straight"), 0.3))
@@ -166,11 +161,12 @@ def _stop_and_resume(config: TrainerConfig, fault: dict, root: str, no_flag_api:
 
 
 CASES = {
-    # signal, the rank it reaches, world size, comm hook, gradient accumulation, no flag API
-    "sigterm": ("sigterm", 1, 2, "default", 1, False),
-    "sigint_accumulating": ("sigint", 0, 2, "allreduce", 2, False),
-    "sigusr1_alone": ("sigusr1", 0, 1, "default", 1, False),
-    "sigterm_without_flag_api": ("sigterm", 0, 2, "default", 1, True),
+    # signal, the rank it reaches, world size, comm hook, gradient accumulation, zero_stage
+    "sigterm": ("sigterm", 1, 2, "default", 1, 0),
+    "sigint_accumulating": ("sigint", 0, 2, "allreduce", 2, 0),
+    "sigusr1_alone": ("sigusr1", 0, 1, "default", 1, 0),
+    # The sharded wrapper has no flag_next_sync: its boundaries ask with a small all_reduce.
+    "sigterm_sharded": ("sigterm", 0, 2, "default", 1, 3),
 }
 
 
@@ -179,12 +175,13 @@ def test_a_signal_saves_the_next_boundary_and_the_rerun_ends_bitwise_equal(tmp_p
     """A signal during step 6 on one rank: every rank saves step 6 and stops with code 76,
     naming the signal and the rank, even with SIGINT pressed twice during that save; started
     again, the run ends with the parameters of a run never stopped, bit for bit. Watching costs
-    no collective, except one small all_reduce per step for a model without flag_next_sync."""
-    kind, rank, world_size, hook, accum, no_flag_api = CASES[case]
-    config = _config(str(tmp_path), comm_hook=hook, grad_accum_steps=accum)
+    no collective, except one small all_reduce per step for the sharded wrapper, whose
+    reductions do not carry the flag."""
+    kind, rank, world_size, hook, accum, zero_stage = CASES[case]
+    config = _config(str(tmp_path), comm_hook=hook, grad_accum_steps=accum, zero_stage=zero_stage)
     fault = {"kind": kind, "rank": rank, "step": 5}
     results = ddptrain.spawn(
-        _stop_and_resume, world_size, config, fault, str(tmp_path), no_flag_api, timeout_s=240
+        _stop_and_resume, world_size, config, fault, str(tmp_path), timeout_s=240
     )
     for r in results:
         assert r["stopped"]["stopped_at"] == 6 and r["stopped"]["code"] == PREEMPTED_EXIT_CODE
@@ -193,7 +190,7 @@ def test_a_signal_saves_the_next_boundary_and_the_rerun_ends_bitwise_equal(tmp_p
         assert torch.equal(r["quiet"]["params"], r["straight"]["params"])
         # Watching for signals costs no collective where the reduction carries the flag; one
         # small all_reduce per step (16) without flag_next_sync; none alone.
-        assert r["extra_all_reduces"] == (16 if no_flag_api and world_size > 1 else 0)
+        assert r["extra_all_reduces"] == (16 if zero_stage and world_size > 1 else 0)
     # Rank 0 writes the checkpoint: its save is the one interrupted.
     assert results[0]["interrupted_saves"] == ([6] if kind == "sigint" else [])
     message = results[0]["stopped"]["message"]
