@@ -28,6 +28,9 @@ from ddptrain.optim.partition import ALIGN
 # is small beside its transfer, small enough that one unit is a small part of a large model.
 DEFAULT_UNIT_MIN_NUMEL = 2**20
 
+# Containers without a forward of their own: hooks on them never run, so they cannot be units.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
 
 class Piece(NamedTuple):
     """Elements [a, b) of parameter j (flat, in memory order), at offset `at` of a shard."""
@@ -110,6 +113,15 @@ def choose_units(
     else:
         picked = set()
         for item in units:
+            if (
+                isinstance(item, type)
+                and issubclass(item, CONTAINERS)
+                or isinstance(item, CONTAINERS)
+            ):
+                raise ValueError(
+                    f"units cannot name {item!r}: a container's forward is never called, so it "
+                    "is never gathered; name the modules inside it (or their class) instead"
+                )
             if isinstance(item, type) and issubclass(item, nn.Module):
                 picked |= {id(m) for m in everything if isinstance(m, item)}
             elif isinstance(item, nn.Module) and any(m is item for m in everything):
@@ -124,7 +136,7 @@ def choose_units(
 
 def _by_size(root: nn.Module, min_numel: int) -> set[int]:
     """FSDP's size-based policy: bottom up, a module whose parameters not yet in a unit number at
-    least min_numel becomes a unit."""
+    least min_numel becomes a unit; a container's count passes on to the module holding it."""
     picked: set[int] = set()
     seen: set[int] = set()
 
@@ -134,7 +146,7 @@ def _by_size(root: nn.Module, min_numel: int) -> set[int]:
         seen.add(id(m))
         n = sum(p.numel() for _, p in m.named_parameters(recurse=False))
         n += sum(unclaimed(child) for child in m.children())
-        if m is not root and n >= min_numel:
+        if m is not root and n >= min_numel and not isinstance(m, CONTAINERS):
             picked.add(id(m))
             return 0
         return n

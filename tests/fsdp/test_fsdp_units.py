@@ -68,6 +68,23 @@ def test_size_policy_takes_modules_with_enough_parameters_bottom_up():
     assert choose_units(model, None, min_numel=10_000) == [model]
 
 
+def test_containers_are_never_units():
+    """A ModuleList has no forward of its own to hook: the size policy passes its count up to
+    the module that calls into it, and naming one in units= is refused with the reason."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(10, 10) for _ in range(3))
+
+    model = Stack()
+    assert choose_units(model, None, min_numel=300) == [model]  # 330 in the list, none alone
+    assert choose_units(model, None, min_numel=100) == [model, *model.layers]
+    for named in (model.layers, nn.ModuleList):
+        with pytest.raises(ValueError, match="container"):
+            choose_units(model, [named])
+
+
 def test_tied_weight_belongs_to_the_unit_around_both_users():
     """The weight shared by TiedNet's embedding and output layer goes to the root unit when
     they are units of their own; each parameter is listed once, with every holder."""
