@@ -6,6 +6,8 @@
 One GPU cannot hold two NCCL ranks, so each variant runs as rank 0 of a world of --world-size
 under torch's fake process group: its collectives move no data, but every buffer, shard and
 optimizer state is allocated exactly as on a real rank, so the allocator's figures are one rank's.
+The one stand-in: ZeRO-2/3's reduce-scatter keeps this rank's part of what it sends, since the
+fake one writes nothing and the "which parameters got a gradient" flags would be garbage.
 Each variant runs in a fresh process. "held" is what stays allocated between steps; "peak" is
 torch.cuda.max_memory_allocated over the steps. Without CUDA it runs on CPU and reports held bytes
 counted from the tensors (a check that the script works, not a memory figure).
@@ -23,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ddptrain
+import ddptrain.fsdp.unit
 from ddptrain.bench.report import machine
 from ddptrain.models import MLP
 
@@ -30,11 +33,22 @@ VARIANTS = ("ddp", "zero1", "zero2", "zero3")
 MIB = 2**20
 
 
+class _Done:
+    def wait(self) -> bool:
+        return True
+
+
+def _local_reduce_scatter(output: torch.Tensor, input: torch.Tensor, **_: object) -> _Done:
+    output.copy_(input[: output.numel()])  # rank 0's part, as a real reduce-scatter leaves it
+    return _Done()
+
+
 def _run(variant: str, world_size: int, width: int, depth: int, steps: int) -> dict:
     # Imported here: torch's test utilities are not needed by anything else in the package.
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    ddptrain.fsdp.unit.reduce_scatter_single = _local_reduce_scatter
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     try:
@@ -58,6 +72,8 @@ def _run(variant: str, world_size: int, width: int, depth: int, steps: int) -> d
             opt.zero_grad(set_to_none=False)
             F.cross_entropy(model(x), y).backward()
             opt.step()
+        if any(p.grad is None for p in model.parameters()):
+            raise RuntimeError(f"{variant}: a parameter has no gradient; the figures would be low")
         states = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
         tensors = list(model.parameters()) + [p.grad for p in model.parameters()] + states
         counted = sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -91,7 +107,8 @@ def main() -> None:
             p.error(f"unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
         queue = ctx.Queue()
         proc = ctx.Process(
-            target=_child, args=(queue, variant, args.world_size, args.width, args.depth, args.steps)
+            target=_child,
+            args=(queue, variant, args.world_size, args.width, args.depth, args.steps),
         )
         proc.start()
         proc.join(600)
@@ -104,7 +121,9 @@ def main() -> None:
     for r in rows:
         held, peak = r.get("held_mib", float("nan")), r.get("peak_mib", float("nan"))
         ratio = peak / base["peak_mib"] if base and "peak_mib" in base else float("nan")
-        print(f"{r['variant']:>8} {r['counted_mib']:>12.1f} {held:>9.1f} {peak:>9.1f} {ratio:>12.3f}")
+        print(
+            f"{r['variant']:>8} {r['counted_mib']:>12.1f} {held:>9.1f} {peak:>9.1f} {ratio:>12.3f}"
+        )
     if args.out:
         meta = {"machine": machine(), "date": time.strftime("%F %T"), **vars(args)}
         with open(args.out, "w") as f:
