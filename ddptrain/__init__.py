@@ -12,6 +12,7 @@ from ddptrain.dist import (
     print0,
     shutdown,
 )
+from ddptrain.fsdp.wrapper import FSDP, FullyShardedDataParallel
 from ddptrain.launch.spawn import WorkerError, spawn
 from ddptrain.nn.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 from ddptrain.optim.zero import ZeroRedundancyOptimizer
@@ -29,6 +30,8 @@ __all__ = [
     "DistInfo",
     "DistributedDataParallel",
     "EvalSampler",
+    "FSDP",
+    "FullyShardedDataParallel",
     "NonFiniteError",
     "ShardedSampler",
     "SyncBatchNorm",

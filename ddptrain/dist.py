@@ -19,23 +19,18 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
 from ddptrain.ddp.groups import run_closers, set_timeout_s
 from ddptrain.launch.env import INIT_METHOD_ENV as INIT_METHOD_ENV  # spawn and tests set it here
-from ddptrain.launch.env import LaunchEnv, LaunchError, detect_launcher, expand_nodelist, parse_env
+from ddptrain.launch.env import LaunchError, detect_launcher, expand_nodelist, parse_env
+from ddptrain.launch.rendezvous import address_in_use, env_store
 
 DEFAULT_TIMEOUT_S = 300.0
-# Rendezvous waits are cut into tries this long, so Ctrl-C (checked between tries) stops a
-# rank waiting for its peers; torch's store waits in C++, where Python never sees the signal.
-_RENDEZVOUS_TRY_S = 1.0
-_RENDEZVOUS_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -48,6 +43,8 @@ class DistInfo:
     device: torch.device
     backend: str
     launcher: str = "single"  # "torchrun", "spawn", "mpi", "slurm" or "single" (no launcher)
+    # The torchrun agent that started this process (its parent), watched by the heartbeat.
+    agent_pid: int | None = None
 
     @property
     def is_main(self) -> bool:
@@ -80,10 +77,11 @@ def resolve_device(backend: str, local_rank: int, cuda_count: int) -> torch.devi
     return torch.device("cuda", local_rank)
 
 
-# Default groups this process has created. A rendezvous used again (a second Trainer.fit()
-# after the first destroyed its group) must not show the new group the last one's keys: torch
-# numbers groups from 0 again, so ranks would read dead addresses and fail or hang. Every rank
-# creates its groups in the same order, so all agree on the number.
+# Default groups this process has created. A file:// rendezvous used again (a second
+# Trainer.fit() after the first destroyed its group) must not show the new group the last one's
+# keys: torch numbers groups from 0 again, so ranks would read dead addresses and fail or hang.
+# Every rank creates its groups in the same order, so all agree on the number. (The env:// store
+# gets a fresh token per group instead: launch/rendezvous.py.)
 _groups_created = 0
 
 
@@ -136,7 +134,7 @@ def init_distributed(
     group = _next_group()
     try:
         if method == "env://":
-            kwargs["store"] = _env_store(launch, timeout, group)
+            kwargs["store"] = env_store(launch, timeout)
         else:
             kwargs["init_method"] = _fresh_file(method, group)
         dist.init_process_group(
@@ -151,7 +149,7 @@ def init_distributed(
         # address...") names neither MASTER_PORT nor the fix.
         if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
             raise
-        raise LaunchError(_address_in_use(method, launch)) from None
+        raise LaunchError(address_in_use(method, launch)) from None
     if dist.get_world_size() != launch.world_size:
         got = dist.get_world_size()
         shutdown()
@@ -160,7 +158,13 @@ def init_distributed(
             "every process must be launched with the same WORLD_SIZE"
         )
     return DistInfo(
-        launch.rank, launch.local_rank, launch.world_size, device, backend, launch.launcher
+        launch.rank,
+        launch.local_rank,
+        launch.world_size,
+        device,
+        backend,
+        launch.launcher,
+        os.getppid() if launch.elastic_agent else None,
     )
 
 
@@ -185,94 +189,6 @@ def _expand_hosts(nodelist: str) -> list[str]:
         return out.stdout.split()
 
 
-def _env_store(launch: LaunchEnv, timeout: datetime.timedelta, group: int) -> dist.Store:
-    """The env:// store, with keys private to this restart attempt and this process's n-th group,
-    returned once all WORLD_SIZE ranks have reached it.
-
-    Under torchrun the agent hosts one store for every attempt of the job; without a prefix a
-    restarted rank can read the dead attempt's addresses and fail to connect, or hang (and so
-    can a second group created in the same processes).
-    """
-    deadline = time.monotonic() + timeout.total_seconds()
-    is_master = launch.rank == 0 and not launch.agent_store
-    while True:
-        try_s = max(min(_RENDEZVOUS_TRY_S, deadline - time.monotonic()), 0.1)
-        try:
-            store = dist.TCPStore(
-                launch.master_addr,
-                launch.master_port,
-                launch.world_size,
-                is_master=is_master,
-                timeout=datetime.timedelta(seconds=try_s),
-                wait_for_workers=False,
-                multi_tenant=True,
-            )
-            break
-        except dist.DistNetworkError as e:
-            if is_master or "timed out" not in str(e):
-                raise
-            if time.monotonic() >= deadline:
-                raise LaunchError(
-                    f"rank {launch.rank} could not reach the rendezvous store at "
-                    f"{launch.master_addr}:{launch.master_port} within "
-                    f"{timeout.total_seconds():.0f} s: start rank 0 too, and check that "
-                    "MASTER_ADDR and MASTER_PORT name rank 0's host and a port it can open"
-                ) from None
-    store.set_timeout(timeout)
-    prefixed = dist.PrefixStore(f"ddptrain/attempt_{launch.restart_count}/group_{group}", store)
-    _wait_for_every_rank(prefixed, launch, deadline, timeout.total_seconds())
-    return prefixed
-
-
-def _wait_for_every_rank(
-    store: dist.Store, launch: LaunchEnv, deadline: float, timeout_s: float
-) -> None:
-    """Check in, then wait (in Python, so Ctrl-C works) until WORLD_SIZE ranks have; refuse
-    ranks launched with different WORLD_SIZE values."""
-    where = f"{launch.master_addr}:{launch.master_port}"
-    first = store.compare_set("world_size", "", str(launch.world_size)).decode()
-    if first != str(launch.world_size):
-        message = (
-            f"ranks were launched with different WORLD_SIZE values ({first} and "
-            f"{launch.world_size}, rendezvous {where}); every process must get the same one"
-        )
-        store.set("refused", message)
-        raise LaunchError(message)
-    arrived = store.add("arrived", 1)
-    while arrived < launch.world_size:
-        if store.check(["refused"]):
-            raise LaunchError(store.get("refused").decode())
-        if time.monotonic() >= deadline:
-            raise LaunchError(
-                f"only {arrived} of WORLD_SIZE={launch.world_size} ranks reached the rendezvous "
-                f"at {where} within {timeout_s:.0f} s: start {launch.world_size} processes "
-                "(torchrun --nproc_per_node, srun -n, mpirun -np), or set WORLD_SIZE to the "
-                "number you start"
-            )
-        time.sleep(_RENDEZVOUS_POLL_S)
-        arrived = store.add("arrived", 0)
-
-
-def _address_in_use(method: str, launch: LaunchEnv) -> str:
-    """The message for a rendezvous port that another process already listens on."""
-    if method.startswith("env://"):
-        host, port = launch.master_addr, launch.master_port
-        where = f"MASTER_PORT {port} on {host}"
-        fix = f"MASTER_PORT=PORT, or torchrun --master-port PORT / --rdzv-endpoint {host}:PORT"
-        if launch.launcher in ("slurm", "mpi"):
-            fix = "export MASTER_PORT=PORT before srun/mpirun, which pass it to every rank"
-    else:
-        url = urlsplit(method)
-        host, port = url.hostname, url.port
-        where = f"port {port} on {host} (init_method {method!r})"
-        fix = f"init_method='{url.scheme}://{host}:PORT'"
-    return (
-        f"{where} is already in use (EADDRINUSE), so rank 0 cannot host the rendezvous store "
-        f"there; pick a free port ({fix}) or stop the process holding it (a previous run "
-        "still alive?)"
-    )
-
-
 def launched_by() -> str:
     """The launcher that started this process ("single" when none did), before any group exists."""
     return detect_launcher(os.environ)
@@ -292,6 +208,7 @@ def current_info() -> DistInfo:
         device or torch.device("cpu"),
         backend,
         launch.launcher,
+        os.getppid() if launch.elastic_agent else None,
     )
 
 

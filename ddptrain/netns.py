@@ -10,7 +10,7 @@
 Each host is a network namespace with one end of the veth pair on the private
 10.231.77.0/24 (addresses that exist only inside the two namespaces) and, for each command,
 a /dev/shm of its own: real hosts share no memory, and a shared tmpfs would let ddptrain's
-same-host shortcut (parallel/shm.py) hide the network. Used by tests/test_multinode.py and
+same-host shortcut (cpu/shm.py) hide the network. Used by tests/test_multinode.py and
 `python -m ddptrain.bench --two-hosts` (bench/hosts.py); docs/multinode.md has the commands.
 """
 

@@ -20,6 +20,9 @@ Mistakes (flags, settings, data files, checkpoints) print one `error: ...` line 
 Checkpoints, and continuing from the newest valid one after a restart:
     python recipes/mnist.py --checkpoint-dir ckpt --resume auto    # the same line each time
     ... --checkpoint-every-steps 100 --keep-last 5                 # every 100 steps, keep 5
+    ... --checkpoint-every-minutes 10                              # and every 10 minutes
+With --checkpoint-dir, SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 save the current step and exit with
+status 76 (--preempt-signals chooses which); the same command then continues from there.
 
 python recipes/mnist.py --help lists every flag with its default.
 
@@ -58,6 +61,7 @@ from ddptrain.data.datasets import (
 from ddptrain.data.download import DownloadError
 from ddptrain.models import MLP, LeNet
 from ddptrain.train.config import COMM_HOOKS, PRECISIONS, ZERO_STAGES, TrainerConfig
+from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, signal_number
 from ddptrain.train.trainer import Trainer
 
 DEFAULT_DATA_DIR = "data"
@@ -310,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         choices=ZERO_STAGES,
         default=0,
-        help="1: shard the optimizer state across ranks, ZeRO stage 1 (default: %(default)s)",
+        help="shard across ranks: 1 the optimizer state (ZeRO-1), 2 the gradients too, 3 the "
+        "parameters too (default: %(default)s)",
     )
     train.add_argument(
         "--dry-run",
@@ -375,6 +380,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="checkpoint every N optimizer steps instead of at each epoch's end; one is "
         "always written at the end (default: each epoch)",
+    )
+    ckpt.add_argument(
+        "--checkpoint-every-minutes",
+        type=positive(float),
+        default=None,
+        metavar="M",
+        help="also checkpoint when M minutes have passed since the last checkpoint (rank 0's "
+        "clock decides for every rank) (default: none)",
+    )
+    ckpt.add_argument(
+        "--preempt-signals",
+        type=_signal_names,
+        default=DEFAULT_PREEMPT_SIGNALS,
+        metavar="SIG,...",
+        help="with --checkpoint-dir, these signals save the current step and exit with status "
+        "76; 'none' keeps their default action (default: "
+        f"{','.join(DEFAULT_PREEMPT_SIGNALS)})",
     )
     ckpt.add_argument(
         "--keep-last",
@@ -448,8 +470,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.profile_steps = _step_range(p, args.profile_steps)
     if args.channels_last is None:
-        args.channels_last = args.zero_stage == 0
-    elif args.channels_last and args.zero_stage:
+        args.channels_last = args.zero_stage != 1
+    elif args.channels_last and args.zero_stage == 1:
         p.error(
             "--zero-stage 1 shards flat, contiguous parameters; drop --channels-last "
             "(--zero-stage 1 turns it off by default)"
@@ -458,6 +480,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         flag
         for flag, value in (
             ("--checkpoint-every-steps", args.checkpoint_every_steps),
+            ("--checkpoint-every-minutes", args.checkpoint_every_minutes),
             ("--keep-last", args.keep_last),
         )
         if value is not None
@@ -468,6 +491,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.keep_last is None:
         args.keep_last = TrainerConfig.keep_last
     return args
+
+
+def _signal_names(text: str) -> tuple[str, ...]:
+    """`SIGTERM,SIGUSR1` (or `TERM,USR1`) as signal names; `none` for no signal."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(signal_number(name.strip()).name for name in text.split(",") if name.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _step_range(p: argparse.ArgumentParser, values: list[str] | None) -> tuple[int, int] | None:
@@ -498,6 +531,8 @@ def build_config(args: argparse.Namespace) -> TrainerConfig:
         sync_batchnorm=args.sync_batchnorm,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every_steps=args.checkpoint_every_steps,
+        checkpoint_every_minutes=args.checkpoint_every_minutes,
+        preempt_signals=args.preempt_signals,
         keep_last=args.keep_last,
         resume=args.resume,
         log_dir=args.log_dir,

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
 from ddptrain.ddp.wrapper import DistributedDataParallel
+from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.nn.sync_batchnorm import SyncBatchNorm
 from ddptrain.optim.zero import ZeroRedundancyOptimizer
 from ddptrain.train import checkpoint as ckpt
@@ -61,6 +62,42 @@ def test_nccl_wrapper_matches_official_ddp_on_cuda(world_size):
         assert r["max_diff"] == 0.0, r
 
 
+def _run_fully_sharded() -> dict:
+    info = ddptrain.init_distributed()
+    torch.backends.cudnn.deterministic = True  # conv gradients without atomics: comparable bits
+    torch.manual_seed(0)
+    base = toy_models.make("lenet_nodrop").to(info.device)
+    module = copy.deepcopy(base)
+    models = (
+        DistributedDataParallel(copy.deepcopy(base)),
+        FullyShardedDataParallel(module, units=[module.conv2, module.fc1]),
+    )
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    for model, opt in zip(models, opts, strict=True):
+        for step in range(10):
+            x, y = toy_models.batch("lenet", step, info.rank)
+            opt.zero_grad()
+            F.nll_loss(model(x.to(info.device)), y.to(info.device)).backward()
+            opt.step()
+    plain, whole = models[0].module.state_dict(), models[1].state_dict()
+    moments = models[1].optim_state_dict(opts[1])["state"].values()
+    tensors = list(whole.values()) + [v for s in moments for v in s.values() if v.dim()]
+    return {
+        "max_diff": max((whole[k] - plain[k]).abs().max().item() for k in plain),
+        "devices": sorted({str(t.device) for t in tensors}),
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fully_sharded_on_cuda_equals_the_ddp_wrapper(world_size):
+    """ZeRO-3 on CUDA with NCCL: 10 AdamW steps of LeNet equal the DDP wrapper's (bitwise at 1-2
+    ranks), and the whole model and optimizer states it gathers stay on the GPU."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs")
+    for r in ddptrain.spawn(_run_fully_sharded, world_size, timeout_s=300):
+        assert r["max_diff"] == 0.0 and all(d.startswith("cuda") for d in r["devices"]), r
+
+
 def _run_precision_trainer(precision: str) -> dict:
     cfg = TrainerConfig(global_batch_size=12, epochs=2, precision=precision, progress_bar=False)
     return toy_models.ToyTrainer(cfg).fit()
@@ -97,7 +134,7 @@ def test_crash_and_resume_on_cuda_is_bitwise_equal_to_uninterrupted(tmp_path):
 
 
 # The oracle is nn.BatchNorm2d in float64 on the same values, so what is left is our own float32
-# rounding (the tolerances of tests/parallel/test_sync_batchnorm.py): elementwise results to a
+# rounding (the tolerances of tests/nn/test_sync_batchnorm.py): elementwise results to a
 # few ulps of values of size ~10; weight/bias gradients are sums of ~1000 terms that cancel.
 SBN_TOL = {
     "out": (1e-5, 1e-5),  # (rtol, atol)

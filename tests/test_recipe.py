@@ -209,6 +209,28 @@ def test_checkpoint_flags_reach_the_config():
         recipe.parse_args([*base, "--keep", "2"])
 
 
+def test_preemption_flags_reach_the_config():
+    """--checkpoint-every-minutes and --preempt-signals set TrainerConfig's fields (signal names
+    with or without SIG, or none); a signal that does not exist, or minutes without
+    --checkpoint-dir, are usage errors."""
+    recipe = _recipe_module()
+    base = ["--checkpoint-dir", "ckpt"]
+    args = [*base, "--checkpoint-every-minutes", "0.5", "--preempt-signals", "TERM,SIGUSR2"]
+    cfg = recipe.build_config(recipe.parse_args(args))
+    assert (cfg.checkpoint_every_minutes, cfg.preempt_signals) == (0.5, ("SIGTERM", "SIGUSR2"))
+    cfg = recipe.build_config(recipe.parse_args([*base, "--preempt-signals", "none"]))
+    assert (cfg.checkpoint_every_minutes, cfg.preempt_signals) == (None, ())
+    assert recipe.build_config(recipe.parse_args(base)).preempt_signals == (
+        "SIGTERM",
+        "SIGINT",
+        "SIGUSR1",
+    )
+    with pytest.raises(cli.UsageError, match="unknown signal 'SIGFOO'"):
+        recipe.parse_args([*base, "--preempt-signals", "SIGFOO"])
+    with pytest.raises(cli.UsageError, match="--checkpoint-every-minutes applies to checkpoints"):
+        recipe.parse_args(["--checkpoint-every-minutes", "5"])
+
+
 def test_resume_auto_under_torchrun_sets_a_truncated_checkpoint_aside(tmp_path, data_dir):
     """Checkpoints every 2 steps; the newest cut short; --resume auto at world size 2 says once
     which file and why, moves it intact into invalid/, resumes from step 2 and saves on."""

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import torch.distributed as dist
+
 from support.child_env import child_env
 
 # Each child sets up a world with this collective timeout; a rendezvous that waits it out fails
@@ -38,12 +40,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(rank: int, world_size: int, port: int, timeout_s: float = TIMEOUT_S) -> subprocess.Popen:
+def _start(
+    rank: int, world_size: int, port: int, timeout_s: float = TIMEOUT_S, **extra: str
+) -> subprocess.Popen:
     env = child_env(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        **extra,
     )
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, str(timeout_s)],
@@ -111,3 +116,27 @@ def test_ctrl_c_stops_a_rank_waiting_for_its_peers():
     proc.send_signal(signal.SIGINT)
     code, out = _finish(proc)
     assert code == 130 and "KeyboardInterrupt" in out, out
+
+
+def test_ranks_meet_on_fresh_keys_in_an_agent_store_holding_a_dead_rounds_keys():
+    """A store that outlives rounds (torchrun's agent hosts it) holds a finished round's token
+    and answers, and the agents count restarts differently (0 and 1, as after an elastic
+    scale-up): both ranks still meet, rank 1 having read the dead round's token first."""
+    port = _free_port()
+    agent_store = dist.TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True
+    )
+    dead = dist.PrefixStore("ddptrain/rendezvous", agent_store)
+    dead.set("token", "0123456789abcdef 2")
+    dead.add("0123456789abcdef/answered", 1)
+    dead.set("0123456789abcdef/answer/1", "fedcba9876543210 2")
+    dead.set("0123456789abcdef/go/1", "fedcba9876543210")
+    agent = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "elastic"}
+    # Generous: rank 1 waits for rank 0's interpreter to start; a mismatch waits all of it.
+    second = _start(1, 2, port, timeout_s=60, TORCHELASTIC_RESTART_COUNT="0", **agent)
+    assert second.stdout.readline().strip() == "ready"
+    first = _start(0, 2, port, timeout_s=60, TORCHELASTIC_RESTART_COUNT="1", **agent)
+    for proc in (first, second):
+        code, out = _finish(proc)
+        assert code == 0 and "joined" in out, out
+    assert dead.get("token").decode() != "0123456789abcdef 2"

@@ -16,6 +16,7 @@ when it runs as root; otherwise the tests skip and say which is missing.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -319,3 +320,78 @@ def test_sbatch_recipe_equals_spawned_ranks(slurm_cluster, reference, workdir):
     assert "launcher=slurm world_size=2" in text, text
     assert text.count("FINAL ") == 1, text
     _assert_bitwise_equal(_recipe_model(ckpt), reference["recipe"])
+
+
+def _job_state(job_id: str, env: dict[str, str]) -> dict[str, str]:
+    """`scontrol show job` as {field: value}, e.g. JobState, Restarts."""
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True
+    ).stdout
+    return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+
+def test_sbatch_requeues_a_signalled_job_that_resumes_where_it_stopped(
+    slurm_cluster, workdir, tmp_path
+):
+    """`scancel --signal=USR1 --batch` mid-run (what --signal=B:USR1@90 sends before the time
+    limit): the script passes it to the ranks, which save the step they are at and exit 76; the
+    script requeues the job, whose second start resumes from that step and finishes with the
+    model of a run never stopped, bit for bit: no step lost, none trained twice."""
+    steps = 300  # 15 epochs of 20 steps: seconds, so the signal lands mid-run
+    args = [
+        *("--data-dir", str(workdir / "data"), "--no-progress", "--global-batch-size", "32"),
+        *("--epochs", str(steps // 20), "--max-steps", str(steps)),
+    ]
+    reference = tmp_path / "reference-ckpt"
+    assert ddptrain.spawn(
+        spawned_refs.recipe, 2, [*args, "--checkpoint-dir", str(reference)], timeout_s=TIMEOUT_S
+    ) == [0, 0]
+    ckpt, output = tmp_path / "ckpt", tmp_path / "requeue.out"
+    submitted = _run(
+        [
+            *("sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"),
+            f"--output={output}",
+            str(SBATCH_SCRIPT),
+            *args,
+            *("--checkpoint-dir", str(ckpt)),
+        ],
+        slurm_cluster,
+        REPO,
+    )
+    job_id = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + TIMEOUT_S
+    # The first epoch's checkpoint: the ranks are inside the training loop.
+    while not (ckpt / "ckpt-00000020.pt").is_file():
+        assert time.monotonic() < deadline, output.read_text() if output.exists() else job_id
+        time.sleep(0.1)
+    _run(["scancel", "--signal=USR1", "--batch", job_id], slurm_cluster, REPO)
+    signalled = time.monotonic()
+    requeued_at = None
+    while (state := _job_state(job_id, slurm_cluster)).get("JobState") != "COMPLETED":
+        assert state.get("JobState") not in ("FAILED", "CANCELLED", "TIMEOUT"), (
+            state,
+            output.read_text(),
+        )
+        assert time.monotonic() < deadline, (state, output.read_text())
+        if state.get("JobState") == "PENDING" and requeued_at is None:
+            # Slurm holds a requeued job back for a while (BeginTime): start it now, as an
+            # operator could, so that the test does not wait for the delay.
+            requeued_at = time.monotonic() - signalled
+            _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], slurm_cluster, REPO)
+        time.sleep(0.5)
+    text = output.read_text()
+    shown = ("ddptrain: job", "ddptrain: stopped", "ddptrain: USR1", "resum", "FINAL")
+    print("\n".join(line for line in text.splitlines() if line.startswith(shown)))
+    stopped = re.search(r"stopped at step (\d+) on SIGUSR1 \(ranks 0, 1\)", text)
+    assert stopped, text
+    step = int(stopped.group(1))
+    print(
+        f"requeue: stopped at step {step} of {steps}, pending again {requeued_at:.1f} s and "
+        f"done {time.monotonic() - signalled:.1f} s after the signal"
+    )
+    assert 20 <= step < steps and state.get("Restarts") == "1", (state, text)
+    assert "requeueing it" in text and f"(step {step})" in text.split("requeueing it")[1], text
+    assert text.count("FINAL ") == 1 and f"steps={steps}" in text, text
+    last = f"ckpt-{steps:08d}.pt"
+    final = [torch.load(d / last, weights_only=True)["model"] for d in (ckpt, reference)]
+    _assert_bitwise_equal(*final)

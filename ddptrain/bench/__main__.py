@@ -1,9 +1,10 @@
-"""`python -m ddptrain.bench [--recipe | --memory | --two-hosts] ...`: step times, the whole
-run, memory, or step times across two hosts made in this machine."""
+"""`python -m ddptrain.bench [--recipe | --memory | --capped | --two-hosts] ...`: step times,
+the whole run, memory, training under a memory cap, or step times across two hosts made in this
+machine."""
 
 import sys
 
-from ddptrain.bench import hosts, memory, recipe, steps
+from ddptrain.bench import capped, hosts, memory, recipe, steps
 from ddptrain.netns import HostsUnavailable
 
 argv = sys.argv[1:]
@@ -16,5 +17,7 @@ elif "--recipe" in argv:
     recipe.main(argv)
 elif "--memory" in argv:
     memory.main(argv)
+elif "--capped" in argv:
+    capped.main(argv)
 else:
     steps.main(argv)

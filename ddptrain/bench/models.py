@@ -23,5 +23,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], int, int]] = {
     # recipes/mnist.py's default model and per-rank batch at world size 2.
     "lenet-recipe": (_recipe_lenet, (1, 28, 28), 128, 120),
     "mlp": (MLP, (1, 28, 28), 32, 40),
+    # About as many parameters as the MLP (16.6M) in 17 layers: a deeper model, with 15 units
+    # of 1.05M parameters under the fully sharded wrapper's size policy (the MLP has 4).
+    "deep-mlp": (lambda: MLP(width=1024, depth=16), (1, 28, 28), 32, 40),
     "convnet": (conv_net, (3, 32, 32), 16, 80),
 }

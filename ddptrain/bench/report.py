@@ -64,6 +64,12 @@ def summarize(raw: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, 
         if raw[0]["models"][name].get("powersgd_elements"):
             # Per variant: (gradient elements, elements sent) per step.
             entry["powersgd_elements"] = raw[0]["models"][name]["powersgd_elements"]
+        if "torch_fsdp" in step_s:
+            # The sharded variants against torch's fully_shard, step by step as above.
+            theirs = step_s["torch_fsdp"]
+            entry["vs_torch_fsdp_paired"] = {
+                v: _paired(step_s[v], theirs) for v in ("zero2", "zero3") if v in step_s
+            }
         if "comm_alone" in med_ms and "ddptrain" in variants:
             exposed = variants["ddptrain"]["exposed_comm_ms"]
             entry["comm_alone_ms"] = med_ms["comm_alone"]
@@ -136,6 +142,8 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{name:<8} ddptrain comm alone {entry['comm_alone_ms']:.2f} ms over "
                 f"{len(entry['bucket_bytes'])} buckets; hidden behind backward: {verdict}"
             )
+        for v, ratio in entry.get("vs_torch_fsdp_paired", {}).items():
+            lines.append(f"{name:<8} {v} / torch_fsdp step time, paired median: {ratio:.3f}")
     if "ring" in result:
         kinds = [k[:-3] for k in result["ring"][0] if k.endswith("_ms")]
         lines += ["", f"{'size MB':>7} " + " ".join(f"{k + ' GB/s':>12}" for k in kinds)]

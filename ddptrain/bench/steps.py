@@ -5,6 +5,7 @@
     python -m ddptrain.bench --models mlp --steps 60 --extras bf16,fp16,ring
     python -m ddptrain.bench --world-size 3 --out bench-results/ws3
     python -m ddptrain.bench --models mlp,lenet --extras adamw,zero,zero-sgd   # ZeRO stage 1
+    python -m ddptrain.bench --models mlp,deep-mlp --extras zero2,zero3,torch_fsdp  # stages 2, 3
     python -m ddptrain.bench --models mlp --extras gloo --ladder   # docs/walkthrough.md's steps
     python -m ddptrain.bench --models lenet-recipe --extras none --sync-only   # cost of a sync
     torchrun --nproc_per_node=2 -m ddptrain.bench --quick   # ranks from a launcher, any hosts
@@ -53,6 +54,8 @@ from ddptrain.bench.report import format_table, machine, plot, summarize
 from ddptrain.ddp.hooks import GradBucket, Transport
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import LaunchError, launched_by
+from ddptrain.fsdp.units import choose_units
+from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.optim.zero import ZeroRedundancyOptimizer
 
 BASE_VARIANTS = ("ddptrain", "torch_ddp", "naive", "local")
@@ -73,6 +76,10 @@ OPTIMIZER_EXTRAS = {
     "zero": (torch.optim.AdamW, True),
     "zero-sgd": (torch.optim.SGD, True),
 }
+# Opt-in sharded variants, named as they are: ddptrain's fully sharded wrapper as ZeRO-2 and
+# ZeRO-3, and torch's fully_shard (FSDP2, ZeRO-3) on the same units (the wrapper's size policy),
+# all stepping plain SGD on their shards like the base variants.
+SHARDED_EXTRAS = ("zero2", "zero3", "torch_fsdp")
 # Opt-in (--ladder) rungs of docs/walkthrough.md, between "naive" and "ddptrain_gloo": each adds
 # one idea to the one before, all over the backend's all_reduce.
 LADDER = ("flat", "hooked", "hooked_rebuild")
@@ -123,6 +130,14 @@ def _make_variant(
             rebuild_buckets=name == "hooked_rebuild",
             gradient_as_bucket_view=False,
         )
+    elif name in ("zero2", "zero3"):
+        model = FullyShardedDataParallel(module, reshard_after_forward=name == "zero3")
+    elif name == "torch_fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in reversed(choose_units(module, None)[1:]):
+            fully_shard(unit)
+        model = fully_shard(module)
     elif name == "torch_ddp":
         model = TorchDDP(module)
     elif name == "naive":
@@ -238,8 +253,10 @@ def _keep_freed_memory() -> bool:
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     malloc_fixed = not args.stock_malloc and _keep_freed_memory()
     info = ddptrain.init_distributed(backend=args.backend)
-    variants = list(BASE_VARIANTS) + [
-        compression.EXTRAS.get(e, f"ddptrain_{e}") for e in args.extras
+    variants = list(BASE_VARIANTS)
+    variants += [
+        e if e in SHARDED_EXTRAS else compression.EXTRAS.get(e, f"ddptrain_{e}")
+        for e in args.extras
     ]
     variants += list(LADDER) if args.ladder else []
     variants += [SYNC_ONLY] if args.sync_only else []
@@ -263,7 +280,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n")[0],
         epilog="Other modes, each with its own --help: --recipe (the whole recipe run against "
         "the standard stack and the no-communication floor), --memory (peak RSS per rank), "
-        "--two-hosts (step times across two network namespaces; root).",
+        "--capped (training under a per-rank memory cap), --two-hosts (step times across two "
+        "network namespaces; root).",
     )
     p.add_argument(
         "--world-size", type=int, default=None, help="ranks to spawn (default 2; a launcher's own)"
@@ -278,7 +296,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--extras",
         default=",".join(EXTRAS),
         help="opt-in variants: subset of "
-        f"{','.join([*EXTRAS, *OPTIMIZER_EXTRAS, *compression.EXTRAS])}, or 'none'",
+        f"{','.join([*EXTRAS, *OPTIMIZER_EXTRAS, *SHARDED_EXTRAS, *compression.EXTRAS])}, "
+        "or 'none'",
     )
     p.add_argument(
         "--powersgd-rank",
@@ -308,7 +327,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = [m for m in args.models.split(",") if m]
     unknown = [m for m in args.models if m not in MODELS]
     args.extras = [] if args.extras == "none" else [e for e in args.extras.split(",") if e]
-    extras = [*EXTRAS, *OPTIMIZER_EXTRAS, *compression.EXTRAS]
+    extras = [*EXTRAS, *OPTIMIZER_EXTRAS, *SHARDED_EXTRAS, *compression.EXTRAS]
     unknown += [e for e in args.extras if e not in extras]
     if args.powersgd_rank < 1:
         p.error(f"--powersgd-rank must be >= 1, got {args.powersgd_rank}")

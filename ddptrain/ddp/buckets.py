@@ -4,6 +4,7 @@
                              cap_bytes=25 * 2**20, first_cap_bytes=2**20)
     layout = build_layout(params, order, 25 * MB, MB, torch_zeros, as_view=True, flags=True)
     layout.flats[b], layout.views[i]                          # bucket b; parameter i's slot
+    layout.used_flags, layout.sync_value                      # the last bucket's tail
     fill_slot(layout.views[i], p.grad, 2, False, scratch)     # slot = grad / 2
     view = view_like(flat[offset : offset + p.numel()], p)   # p's shape and strides
     scale_into_narrower(grad, 0.5, bf16_view, scratch)        # bf16_view = round(grad * 0.5)
@@ -85,6 +86,7 @@ class BucketLayout:
     views: list[torch.Tensor]  # per parameter, its slot, with its shape and strides
     bucket_of: list[int]  # per parameter, its bucket
     used_flags: torch.Tensor | None  # one "used here" flag per parameter, at the last tail
+    sync_value: torch.Tensor | None  # one more element after the flags: a value summed alike
     grad_is_view: list[bool]  # per parameter, whether .grad may be the slot itself
 
     @property
@@ -103,7 +105,8 @@ def build_layout(
 ) -> BucketLayout:
     """Buckets for `params` taken in `order` (assign_buckets), each allocated by `allocate`
     (numel, dtype, device); `as_view`: gradients may live in their slots; `flags`: the last
-    bucket carries one "used here" flag per parameter at its tail."""
+    bucket carries one "used here" flag per parameter at its tail, then one value summed with
+    them (DistributedDataParallel.flag_next_sync)."""
     ordered = [params[i] for i in order]
     buckets = assign_buckets(
         [p.numel() * p.element_size() for p in ordered],
@@ -120,7 +123,7 @@ def build_layout(
         numel = sum(params[i].numel() for i in indices)
         # A transport sums the whole flat tensor, so which parameters were used on no rank
         # is learned from the last bucket's tail without an extra collective.
-        extra = n if flags and b == len(members) - 1 else 0
+        extra = n + 1 if flags and b == len(members) - 1 else 0
         first = params[indices[0]]
         flat = allocate(numel + extra, first.dtype, first.device)
         offset = 0
@@ -131,8 +134,11 @@ def build_layout(
         flats.append(flat)
     # A transport may keep buckets in its wire dtype (bf16): those gradients are copies.
     grad_is_view = [as_view and v.dtype == p.dtype for v, p in zip(views, params, strict=True)]
-    used_flags = flats[-1][-n:] if flags and flats else None
-    return BucketLayout(order, members, flats, views, bucket_of, used_flags, grad_is_view)
+    used_flags = flats[-1][-n - 1 : -1] if flags and flats else None
+    sync_value = flats[-1][-1:] if flags and flats else None
+    return BucketLayout(
+        order, members, flats, views, bucket_of, used_flags, sync_value, grad_is_view
+    )
 
 
 def fill_slot(

@@ -5,6 +5,8 @@
     reducer.prepare_for_forward(sync=True)   # a synchronized backward follows
     loss.backward()                          # per-parameter hooks -> fill -> launch -> finalize
     reducer.reduce_gradients()               # the same from .grad, with no backward of its own
+    reducer.flag_next_sync(1)                # a value carried with the next reduction ...
+    reducer.synced_flag                      # ... summed over ranks once it has run
 
 A hook on each parameter fires when its gradient is accumulated; it copies the gradient into its
 bucket slot (divided by world_size when the hook is a Transport), and once a bucket is full its
@@ -30,7 +32,7 @@ from ddptrain.ddp import marks
 from ddptrain.ddp.buckets import build_layout, fill_slot
 from ddptrain.ddp.buffers import ModelBuffers
 from ddptrain.ddp.groups import close_at_shutdown, global_rank
-from ddptrain.ddp.hooks import CommHook, GradBucket, Transport
+from ddptrain.ddp.hooks import CommHook, GradBucket, Transport, transport_hook
 from ddptrain.ddp.linear_grads import has_other_hooks, will_accumulate
 from ddptrain.ddp.runner import OrderedRunner
 from ddptrain.ddp.step import StepState
@@ -62,6 +64,10 @@ class Reducer:
         # Seconds the last synchronized backward waited for its buckets after autograd was
         # done: the communication that overlap did not hide (the Trainer logs it as comm_s).
         self.last_comm_wait_s = 0.0
+        # What flag_next_sync gave for the next reduction, and the sum over ranks the last one
+        # carried (None: none has run since flag_next_sync).
+        self._flag_value = 0
+        self.synced_flag: int | None = None
         self._index_of = {id(p): i for i, p in enumerate(params)}
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)
@@ -80,6 +86,7 @@ class Reducer:
         gradients already divided by world_size and carries the used flags in the last tail."""
         self.hook_state, self.hook = state, hook
         self.transport = state if isinstance(state, Transport) else None
+        self._direct = self.transport if hook is transport_hook else None
         self.buffers.transport = self.transport
         self.divisor = self.world_size if self.transport is not None else 1
         self._build_buckets(list(reversed(range(len(self.params)))))
@@ -108,7 +115,10 @@ class Reducer:
         self._buckets = layout.flats
         self._views = layout.views
         self._param_bucket = layout.bucket_of
-        self._used_flags = layout.used_flags
+        # The used flags and the synced value after them, written and read back in one copy.
+        self._flag_tail = (
+            layout.flats[-1][-len(self.params) - 1 :] if layout.used_flags is not None else None
+        )
         self._grad_is_view = layout.grad_is_view
         self.bucket_lens = layout.lens
         last = len(layout.flats) - 1
@@ -123,6 +133,13 @@ class Reducer:
             )
             for b, (flat, members) in enumerate(zip(layout.flats, layout.members, strict=True))
         ]
+
+    # ----------------------------------------------------------------------------- flags
+    def flag_next_sync(self, value: int) -> None:
+        """Carry `value` (a small non-negative integer) with the next synchronized reduction;
+        `synced_flag` is then its sum over ranks (ranks that gave none count 0)."""
+        self._flag_value = int(value)
+        self.synced_flag = None
 
     # ----------------------------------------------------------------------------- forward
     def prepare_for_forward(self, synchronized: bool, buffers_with_gradients: bool) -> None:
@@ -191,8 +208,9 @@ class Reducer:
         last = len(self._buckets) - 1
         while step.next_bucket <= last and step.pending[step.next_bucket] == 0:
             b = step.next_bucket
-            if b == last and self._used_flags is not None:
-                self._used_flags.copy_(torch.tensor(step.used, dtype=self._used_flags.dtype))
+            if b == last and self._flag_tail is not None:
+                tail = [*step.used, self._flag_value]
+                self._flag_tail.copy_(torch.tensor(tail, dtype=self._flag_tail.dtype))
             with marks.mark("ddptrain.launch bucket", b):
                 # The last bucket is waited for as soon as backward ends: the waiting thread
                 # runs it, sparing two thread wake-ups on the critical path.
@@ -204,6 +222,10 @@ class Reducer:
         or the thread waiting for the last bucket)."""
         bucket = self.grad_buckets[b]
         with marks.mark("ddptrain.reduce bucket", b), torch.no_grad(), _on(bucket.buffer()):
+            if self._direct is not None:
+                # transport_hook's work without its future: ~10 us a bucket on a slow CPU.
+                self._direct.reduce(bucket)
+                return bucket.buffer()
             return self.hook(self.hook_state, bucket).wait()
 
     def finalize(self) -> None:
@@ -239,7 +261,7 @@ class Reducer:
                 flat = self.grad_buckets[b].buffer()
                 if result is not None and result.data_ptr() != flat.data_ptr():
                     flat.copy_(result.view(-1))
-            used_anywhere = self._used_anywhere(step.used)
+            used_anywhere = self._exchange_flags(step.used)
             if step.sync_buffers:
                 with marks.mark("ddptrain.buffers"):
                     self.buffers.sync(0)
@@ -254,17 +276,21 @@ class Reducer:
         finally:
             self._step = StepState(len(self.params), self.bucket_lens, self.divisor)
 
-    def _used_anywhere(self, used: list[bool]) -> list[bool]:
-        """Which parameters got a gradient on some rank: from the last bucket's tail, where
-        a transport summed the flags, else one small all_reduce."""
-        if self._used_flags is not None:
-            return (self._used_flags != 0).tolist()
-        if self.world_size == 1:
-            return list(used)
-        device = self._buckets[0].device if self._buckets else torch.device("cpu")
-        flags = torch.tensor(used, dtype=torch.int32, device=device)
-        dist.all_reduce(flags, group=self.process_group)
-        return (flags != 0).tolist()
+    def _exchange_flags(self, used: list[bool]) -> list[bool]:
+        """Which parameters got a gradient on some rank, and `synced_flag`: from the last
+        bucket's tail, where a transport summed them, else one small all_reduce."""
+        if self._flag_tail is not None:
+            *sums, value = self._flag_tail.tolist()
+            used_anywhere, total = [v != 0 for v in sums], round(value)
+        elif self.world_size == 1:
+            used_anywhere, total = list(used), self._flag_value
+        else:
+            device = self._buckets[0].device if self._buckets else torch.device("cpu")
+            flags = torch.tensor([*used, self._flag_value], dtype=torch.int32, device=device)
+            dist.all_reduce(flags, group=self.process_group)
+            used_anywhere, total = (flags[:-1] != 0).tolist(), int(flags[-1])
+        self._flag_value, self.synced_flag = 0, total
+        return used_anywhere
 
     def _point_grads(self, used_anywhere: list[bool]) -> None:
         for index, p in enumerate(self.params):

@@ -12,6 +12,8 @@
 
     model.register_comm_hook(state, hook)            # torch's hook protocol (ddp/hooks.py)
     ddptrain.DDP(net, comm_hook="powersgd")          # compressed gradients (ddp/powersgd.py)
+    model.flag_next_sync(1)                          # rides the next reduction (no collective)
+    model.synced_flag                                # ... its sum over ranks, after backward
     with Join([model, optimizer]): ...               # torch's Join: uneven inputs (ddp/join.py)
 
 This module is the wrapper as torch's users meet it: construction (checks, rank 0's weights,
@@ -239,6 +241,19 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Seconds the last synchronized backward waited for its buckets after autograd was
         done: the communication overlap did not hide."""
         return self.reducer.last_comm_wait_s
+
+    def flag_next_sync(self, value: int = 1) -> None:
+        """Carry `value` (a small non-negative integer: a flag or a count) with the next
+        synchronized reduction, at no extra collective: it travels beside the used-parameter
+        flags (the last bucket's tail with a transport, else their small all_reduce)."""
+        self.reducer.flag_next_sync(value)
+
+    @property
+    def synced_flag(self) -> int | None:
+        """The sum over ranks of the values flagged for the last synchronized reduction (0 from
+        ranks that flagged none); None while the value flagged last has not travelled yet.
+        Exact for sums up to 256 in a bf16 bucket (2048 in fp16)."""
+        return self.reducer.synced_flag
 
     # ----------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:

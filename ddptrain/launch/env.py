@@ -52,8 +52,8 @@ class LaunchEnv:
     init_method: str | None
     master_addr: str | None = None
     master_port: int | None = None
-    restart_count: int = 0
     agent_store: bool = False
+    elastic_agent: bool = False  # a torchrun agent started this process: it is the parent
     launcher: str = "single"
 
 
@@ -123,10 +123,8 @@ def _parse_torchrun(env: Mapping[str, str], launcher: str) -> LaunchEnv:
         init_method,
         master_addr=env.get("MASTER_ADDR"),
         master_port=_port_var(env) if "MASTER_PORT" in env else None,
-        restart_count=_int_var(env, "TORCHELASTIC_RESTART_COUNT")
-        if "TORCHELASTIC_RESTART_COUNT" in env
-        else 0,
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        elastic_agent="TORCHELASTIC_RUN_ID" in env,
         launcher=launcher,
     )
 

@@ -17,8 +17,7 @@ optimizer's bit for bit. Optimizers with per-tensor norms (LAMB, Adafactor) are 
 from __future__ import annotations
 
 import inspect
-from bisect import bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -27,38 +26,14 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddptrain.ddp.groups import resolve
 from ddptrain.optim.broadcast import broadcast_calls, plan_broadcasts
-
-# Cuts fall on multiples of 64 elements inside a parameter, so a shard's vectorised loops see
-# the same element alignment as the whole tensor's would.
-ALIGN = 64
-
-Piece = tuple[int, int, int]  # (parameter index in its group, start, end) in flat elements
-
-
-def shard_ranges(numels: Sequence[int], world_size: int, align: int = ALIGN) -> list[list[Piece]]:
-    """Each rank's pieces of one param group: the parameters laid end to end, cut evenly."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    starts = [0]
-    for n in numels:
-        starts.append(starts[-1] + n)
-    total = starts[-1]
-    cuts = [0]
-    for r in range(1, world_size):
-        x = r * total // world_size
-        j = max(bisect_right(starts, x) - 1, 0)
-        cuts.append(max(cuts[-1], starts[j] + (x - starts[j]) // align * align))
-    cuts.append(total)
-    pieces: list[list[Piece]] = [[] for _ in range(world_size)]
-    for j, n in enumerate(numels):
-        if n == 0:
-            pieces[0].append((j, 0, 0))  # no elements to share, but the inner optimizer sees it
-    for r in range(world_size):
-        for j in range(len(numels)):
-            a, b = max(cuts[r], starts[j]), min(cuts[r + 1], starts[j + 1])
-            if a < b:
-                pieces[r].append((j, a - starts[j], b - starts[j]))
-    return pieces
+from ddptrain.optim.partition import (
+    Piece,
+    as_groups,
+    describe,
+    first_difference,
+    local_problem,
+    shard_ranges,
+)
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
@@ -87,7 +62,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
-        groups = _as_groups(params)
+        groups = as_groups(params)
         self._verify(groups, [])
         super().__init__(groups, defaults)
         self._params: list[list[torch.Tensor]] = []  # per group
@@ -101,7 +76,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             group.update({k: v for k, v in local.items() if k != "params"})
         self.state = self.local.state  # this rank's shard, keyed by the inner optimizer's views
         self._calls = self._plan_sharing()
-        self._stands_for: torch.optim.Optimizer | None = None
+        # The optimizer this one replaces (from_optimizer), which LR schedulers were built on.
+        self.stands_for: torch.optim.Optimizer | None = None
         self._ready = True
 
     @classmethod
@@ -123,7 +99,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         groups = [{**g, "params": list(g["params"])} for g in optimizer.param_groups]
         zero = cls(groups, type(optimizer), process_group, **defaults)
         zero.param_groups = optimizer.param_groups
-        zero._stands_for = optimizer
+        zero.stands_for = optimizer
         return zero
 
     # ------------------------------------------------------------------------ sharding
@@ -132,7 +108,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
         if not self._ready:
             super().add_param_group(param_group)
             return
-        [group] = _as_groups([param_group])
+        [group] = as_groups([param_group])
         self._verify([group], [p for g in self.param_groups for p in g["params"]])
         super().add_param_group(group)
         self.local.add_param_group(self._shard(self.param_groups[-1]))
@@ -140,7 +116,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
 
     def _verify(self, groups: list[dict], earlier: list[torch.Tensor]) -> None:
         """Raise the same error on every rank if any rank's parameters are unusable or differ."""
-        mine = (_local_problem(groups, earlier), _describe(groups))
+        mine = (local_problem(groups, earlier), describe(groups))
         everyone = [mine]
         if self.world_size > 1:
             everyone = [None] * self.world_size
@@ -152,8 +128,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             if description != everyone[0][1]:
                 raise ValueError(
                     f"ranks give ZeroRedundancyOptimizer different parameters: rank 0 has "
-                    f"{_first_difference(everyone[0][1], description)} where rank {rank} has "
-                    f"{_first_difference(description, everyone[0][1])}. Every rank must pass "
+                    f"{first_difference(everyone[0][1], description)} where rank {rank} has "
+                    f"{first_difference(description, everyone[0][1])}. Every rank must pass "
                     "the same parameters, in the same groups and order"
                 )
 
@@ -205,9 +181,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, Joinable):
             view.grad = None  # the views would keep a freed gradient alive
         if self.world_size > 1:
             broadcast_calls(self._calls, self.rank, self.process_group)
-        if self._stands_for is not None:
-            # An LR scheduler built on the original optimizer checks it was stepped first.
-            self._stands_for._opt_called = True
+        if self.stands_for is not None:
+            # An LR scheduler built on the original optimizer checks (through torch's private
+            # flag) that it was stepped first: it was, through this one.
+            self.stands_for._opt_called = True
         return loss
 
     # ------------------------------------------------------------------------ join
@@ -330,55 +307,6 @@ def _piece_of(value: Any, param: torch.Tensor, a: int, b: int, view: torch.Tenso
 def _detached(value: Any) -> Any:
     # A copy: the live step counter is incremented in place by the next step().
     return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
-    """Param groups as dicts with list-valued "params", as torch.optim.Optimizer accepts them."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params must be an iterable of tensors or of dicts, not one tensor")
-    items = list(params)
-    if not items or not isinstance(items[0], dict):
-        return [{"params": items}]
-    groups = []
-    for group in items:
-        p = group["params"]
-        groups.append({**group, "params": [p] if isinstance(p, torch.Tensor) else list(p)})
-    return groups
-
-
-def _local_problem(groups: list[dict], earlier: list[torch.Tensor]) -> str | None:
-    seen = {id(p): f"#{i} of the earlier groups" for i, p in enumerate(earlier)}
-    for g, group in enumerate(groups):
-        for j, p in enumerate(group["params"]):
-            where = f"parameter #{j} of group {g} ({list(p.shape)} {p.dtype})"
-            if id(p) in seen:
-                return (
-                    f"{where} is given twice (also as {seen[id(p)]}); pass each parameter "
-                    "once (tied weights appear once in model.parameters())"
-                )
-            if not p.is_contiguous():
-                return (
-                    f"{where} is not contiguous; ZeRO cuts parameters as flat views: use "
-                    "model.to(memory_format=torch.contiguous_format)"
-                )
-            seen[id(p)] = f"parameter #{j} of group {g}"
-    return None
-
-
-def _describe(groups: list[dict]) -> list[list[tuple]]:
-    return [[(tuple(p.shape), str(p.dtype)) for p in group["params"]] for group in groups]
-
-
-def _first_difference(a: list[list[tuple]], b: list[list[tuple]]) -> str:
-    if len(a) != len(b):
-        return f"{len(a)} param groups"
-    for g, (x, y) in enumerate(zip(a, b, strict=True)):
-        for j, (p, q) in enumerate(zip(x, y, strict=False)):
-            if p != q:
-                return f"parameter #{j} of group {g} = {list(p[0])} {p[1]}"
-        if len(x) != len(y):
-            return f"{len(x)} parameters in group {g}"
-    return "the same"
 
 
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:

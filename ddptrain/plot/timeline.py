@@ -28,8 +28,9 @@ STEP_KINDS = {
     "ddptrain.wait bucket": "exposed comm (wait)",
 }
 COMM_KIND = "reduction in flight"
-# Transports that mark their reductions where the profiler sees them (shm.py, tcp.py).
-REDUCTION_MARKS = ("ddptrain.shm_reduce", "ddptrain.tcp_reduce")
+# The wrapper's reduction of a bucket through its comm hook, on the thread that runs it
+# (ddp/reducer.py).
+REDUCTION_MARKS = ("ddptrain.reduce bucket",)
 COLORS = {
     "data": "#9e9e9e",
     "forward": "#4c9be8",
@@ -103,7 +104,7 @@ def trace_spans(trace: dict[str, Any], rank: int) -> list[Span]:
             table = launches if "launch" in name else waits
             table.setdefault(bucket, []).append(start if table is launches else start + dur)
     if not reductions:
-        # The backend's all_reduce runs where no profiler sees it: launch to wait's end.
+        # A trace without reduction marks: a bucket is in flight from its launch to its wait's end.
         for bucket, starts in launches.items():
             for start, end in zip(sorted(starts), sorted(waits.get(bucket, [])), strict=False):
                 spans.append(Span(rank, "comm", COMM_KIND, start, max(0.0, end - start)))

@@ -9,6 +9,7 @@ loader, optimizer pair, step count.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -23,6 +24,7 @@ from ddptrain.ddp.hooks import CommHook, module_on_cpu
 from ddptrain.ddp.powersgd import PowerSGDState, powersgd_hook
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import DistInfo
+from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
 from ddptrain.optim.zero import ZeroRedundancyOptimizer
 from ddptrain.train.config import ConfigError, TrainerConfig
@@ -53,10 +55,15 @@ def check_datasets(
     return train_set, eval_set
 
 
-def wrap_model(cfg: TrainerConfig, module: nn.Module) -> DistributedDataParallel:
-    """The wrapper the config asks for (SyncBatchNorm converted first)."""
+def wrap_model(
+    cfg: TrainerConfig, module: nn.Module
+) -> DistributedDataParallel | FullyShardedDataParallel:
+    """The wrapper the config asks for (SyncBatchNorm converted first): DDP for zero_stage 0
+    and 1, the fully sharded wrapper for 2 (parameters gathered once a step) and 3."""
     if cfg.sync_batchnorm:
         module = convert_sync_batchnorm(module)
+    if cfg.zero_stage >= 2:
+        return FullyShardedDataParallel(module, reshard_after_forward=cfg.zero_stage == 3)
     return DistributedDataParallel(
         module,
         bucket_cap_mb=cfg.bucket_cap_mb,
@@ -120,7 +127,28 @@ def optimizer(cfg: TrainerConfig, value: Any) -> tuple[torch.optim.Optimizer, An
         # The user's optimizer only describes the run (class, groups, hyperparameters);
         # ZeRO shares its param_groups, so a scheduler built on it still sets the lr.
         opt = ZeroRedundancyOptimizer.from_optimizer(opt)
+    # Stages 2 and 3: the module's parameters are already this rank's shards, so the user's
+    # optimizer, built on them, holds 1/world_size of the state as it is.
     return opt, scheduler
+
+
+def grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """The whole gradient's norm, after clipping it to max_norm when given (collective under
+    zero_stage 2 and 3, where each rank holds a shard of the gradient)."""
+    if isinstance(model, FullyShardedDataParallel):
+        return model.grad_norm() if max_norm is None else model.clip_grad_norm_(max_norm)
+    params = [p for p in model.module.parameters() if p.grad is not None]
+    if max_norm is not None:
+        return nn.utils.clip_grad_norm_(params, max_norm)
+    return nn.utils.get_total_norm([p.grad for p in params])
+
+
+def whole_parameters(model: nn.Module) -> contextlib.AbstractContextManager:
+    """Where model.module holds whole parameters, for evaluating it alone on each rank:
+    gathered for the duration under zero_stage 2 and 3 (collective), else as it is."""
+    if isinstance(model, FullyShardedDataParallel):
+        return model.summon_full_params()
+    return contextlib.nullcontext()
 
 
 def steps_per_optimizer_step(scheduler: Any) -> bool:

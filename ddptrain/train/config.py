@@ -9,12 +9,14 @@ grad_accum_steps)` each, so the same config trains the same way at any world siz
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, fields
 from typing import Any
 
 from ddptrain.ddp.hooks import NAMES
 from ddptrain.ddp.powersgd import NAMED_RANK, NAMED_START_STEP
 from ddptrain.train.log import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
+from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, signal_number
 
 # Settings that define the sample order and step size: a resumed run must keep them.
 RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last")
@@ -24,8 +26,9 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 # named in ddptrain.ddp.hooks.NAMES; "powersgd" compresses them (ddptrain.ddp.powersgd).
 COMM_HOOKS = ("default", *NAMES, "powersgd")
 NONFINITE_POLICIES = ("stop", "skip")
-# 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks.
-ZERO_STAGES = (0, 1)
+# 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks;
+# 2: gradients too (reduce-scattered); 3: parameters too, gathered per unit as they are used.
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 class ConfigError(ValueError):
@@ -53,6 +56,8 @@ class TrainerConfig:
     progress_bar: bool | None = None
     checkpoint_dir: str | None = None
     checkpoint_every_steps: int | None = None
+    # Also save when this many minutes passed since the last save (rank 0's clock decides).
+    checkpoint_every_minutes: float | None = None
     keep_last: int = 3
     best_metric: str | None = None
     best_mode: str = "max"
@@ -69,6 +74,9 @@ class TrainerConfig:
     sync_batchnorm: bool = False
     nonfinite: str = "stop"
     heartbeat_timeout_s: float | None = 30.0
+    # With checkpoint_dir: on these signals save at the next step boundary and exit with
+    # ddptrain.train.preempt.PREEMPTED_EXIT_CODE (train/preempt.py); () keeps their defaults.
+    preempt_signals: tuple[str, ...] = DEFAULT_PREEMPT_SIGNALS
     check_replicas_every: int | None = None
     zero_stage: int = 0
     loggers: tuple[str, ...] = ("jsonl",)
@@ -128,20 +136,73 @@ class TrainerConfig:
         if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
             raise ConfigError(
                 f"zero_stage={self.zero_stage!r} is not one of {list(ZERO_STAGES)}: 1 shards the "
-                "optimizer state across ranks (ZeRO stage 1); stages 2 and 3 are not implemented"
+                "optimizer state across ranks, 2 the gradients too, 3 the parameters too"
             )
+        self._check_sharded()
         if self.resume is not None and self.resume != "auto" and not isinstance(self.resume, str):
             raise ConfigError(
                 f"resume must be None, 'auto' or a checkpoint path, got {self.resume!r}"
             )
         if self.resume == "auto" and not self.checkpoint_dir:
             raise ConfigError("resume='auto' looks in checkpoint_dir; set checkpoint_dir too")
+        self._check_preemption()
         if self.best_metric is not None and not self.checkpoint_dir:
             raise ConfigError(
                 f"best_metric={self.best_metric!r} marks the best checkpoint in checkpoint_dir; "
                 "set checkpoint_dir too"
             )
         self._check_observability()
+
+    def _check_preemption(self) -> None:
+        minutes = self.checkpoint_every_minutes
+        if minutes is not None:
+            if isinstance(minutes, bool) or not isinstance(minutes, int | float) or minutes <= 0:
+                raise ConfigError(
+                    f"checkpoint_every_minutes must be > 0 (or None), got {minutes!r}"
+                )
+            if not self.checkpoint_dir:
+                raise ConfigError(
+                    f"checkpoint_every_minutes={minutes} saves into checkpoint_dir; set "
+                    "checkpoint_dir too"
+                )
+        if isinstance(self.preempt_signals, str):
+            raise ConfigError(
+                f"preempt_signals={self.preempt_signals!r}: use a tuple of signal names, e.g. "
+                "('SIGTERM', 'SIGUSR1'), or () to leave every signal's default action"
+            )
+        for name in self.preempt_signals:
+            try:
+                number = signal_number(name)
+            except ValueError as e:
+                raise ConfigError(f"preempt_signals: {e}") from None
+            if number in (signal.SIGKILL, signal.SIGSTOP):
+                raise ConfigError(
+                    f"preempt_signals: {number.name} cannot be caught; use SIGTERM, SIGINT, "
+                    "SIGUSR1 or SIGUSR2"
+                )
+
+    def _check_sharded(self) -> None:
+        """Refuse what cannot work when gradients and parameters are sharded (stages 2, 3)."""
+        if self.zero_stage < 2:
+            return
+        stage = f"zero_stage={self.zero_stage}"
+        if self.comm_hook != "default":
+            raise ConfigError(
+                f"comm_hook={self.comm_hook!r} with {stage}: stages 2 and 3 reduce-scatter "
+                "gradients over the backend, and comm hooks reduce whole buckets under the DDP "
+                "wrapper; use comm_hook='default', or zero_stage 0 or 1"
+            )
+        if self.check_replicas_every is not None:
+            raise ConfigError(
+                f"check_replicas_every with {stage}: each rank holds its own shard of the "
+                "parameters, so there are no replicas to compare; set check_replicas_every=None"
+            )
+        if self.precision == "fp16":
+            raise ConfigError(
+                f"precision='fp16' with {stage}: GradScaler would look for inf/NaN in each "
+                "rank's gradient shard alone, and ranks could disagree on skipping a step; use "
+                "precision='bf16' or 'fp32'"
+            )
 
     def check_best_metric(self, metrics: dict[str, float]) -> None:
         """Refuse a best_metric the evaluation does not produce: keep_last would otherwise

@@ -2,6 +2,8 @@
 
     watchdog = Heartbeat(timeout_s=30).start()     # every rank, after init_distributed()
     ...                                            # a rank that dies or freezes is noticed
+    Heartbeat(agent_pid=info.agent_pid, on_launcher_lost=stop.launcher_lost)
+                                                   # ... and a launcher (or its store) gone
     check_replicas(model.module)                   # every rank: identical parameters or raise
     if not torch.isfinite(grad_norm):              # every rank: raise, or warn and skip
         on_nonfinite_gradients(local_loss, step=step + 1, policy="stop", checkpoint_dir=None)
@@ -12,14 +14,26 @@ Why heartbeats: a collective blocked on a dead peer may only fail at the backend
 `interval_s`; a peer whose counter has not moved for `timeout_s` (on this rank's own clock, so
 clock skew between hosts does not matter) is declared lost, and this process exits non-zero
 at once with the lost rank named instead of waiting.
+
+Why the launcher too: torchrun's agent hosts the store, and when the agent dies its workers
+live on as orphans. A worker watches its agent (its parent process), and stops beating once the
+store's port refuses a plain connection after a failed beat (or after STORE_FAILURES failed
+beats in a row) instead of calling a dead store twice a second (each call logs a C++ trace)
+and mistaking the silence for lost peers. Either way it calls
+`on_launcher_lost` (the Trainer then saves and stops at the next step boundary) and, if the
+process is still running `timeout_s` later, exits with LOST_RANK_EXIT_CODE itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import socket
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,6 +44,9 @@ from ddptrain.dist import print0
 from ddptrain.train.checkpoint import latest_checkpoint
 
 LOST_RANK_EXIT_CODE = 75
+# Failed beats in a row (every interval_s) after which the store counts as gone: one failure
+# can be a hiccup; a few cost a few C++ log lines, not one every half second forever.
+STORE_FAILURES = 3
 
 
 class RankLostError(RuntimeError):
@@ -48,22 +65,39 @@ class NonFiniteError(RuntimeError):
     """The averaged gradients were inf/NaN and the config says to stop."""
 
 
+class LauncherLostError(RuntimeError):
+    """This rank's launcher or the store it hosts is gone; names which."""
+
+
+# Heartbeats built in this process so far: each takes the next number as its key prefix.
+_HEARTBEATS = itertools.count(1)
+
+
 class Heartbeat:
     """A daemon thread that beats for this rank and exits the process if a peer goes silent."""
 
-    _instances = 0
-
-    def __init__(self, timeout_s: float = 30.0, interval_s: float = 0.5, store: Any = None):
+    def __init__(
+        self,
+        timeout_s: float = 30.0,
+        interval_s: float = 0.5,
+        store: Any = None,
+        *,
+        agent_pid: int | None = None,
+        on_launcher_lost: Callable[[str], None] | None = None,
+    ) -> None:
         if not timeout_s > interval_s > 0:
             raise ValueError(f"need timeout_s > interval_s > 0, got {timeout_s}, {interval_s}")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout_s, self.interval_s = timeout_s, interval_s
+        self.agent_pid, self.on_launcher_lost = agent_pid, on_launcher_lost
+        # Why this rank's launcher or store is gone, once it is: no store call after that.
+        self.launcher_lost: str | None = None
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         # A key prefix per Heartbeat: a second fit() in the same group must not read the first
         # one's done/<rank> marks, or it would never watch its peers. Every rank builds its
         # Heartbeats in the same order, so the numbers agree.
-        Heartbeat._instances += 1
-        self._store = dist.PrefixStore(f"ddptrain/heartbeat/{Heartbeat._instances}", base)
+        self._store = dist.PrefixStore(f"ddptrain/heartbeat/{next(_HEARTBEATS)}", base)
+        self._store_address = _tcp_address(base)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ddptrain-heartbeat", daemon=True)
@@ -71,9 +105,10 @@ class Heartbeat:
         self._seen = {r: (-1, now) for r in range(self.world_size) if r != self.rank}
 
     def start(self) -> Heartbeat:
-        """Start beating and watching (no-op at world size 1)."""
+        """Start beating and watching (at world size 1 only the agent, if any)."""
         if self.world_size > 1:
             self._store.add(f"beat/{self.rank}", 1)
+        if self.world_size > 1 or self.agent_pid is not None:
             self._thread.start()
         return self
 
@@ -83,6 +118,8 @@ class Heartbeat:
         if self._thread.is_alive():
             self._stop.set()
             self._thread.join()
+            if self.launcher_lost:
+                return
             key, value = (f"failed/{self.rank}", error) if error else (f"done/{self.rank}", "1")
             try:
                 self._store.set(key, value)
@@ -91,7 +128,9 @@ class Heartbeat:
 
     def failed_peers(self) -> dict[int, str]:
         """{rank: its error} for the peers that left with an error (see stop)."""
-        failed = {}
+        failed: dict[int, str] = {}
+        if self.launcher_lost:
+            return failed
         for peer in self._seen:
             try:
                 if self._store.check([f"failed/{peer}"]):
@@ -133,11 +172,23 @@ class Heartbeat:
         return silent
 
     def _run(self) -> None:
+        failures = 0
         while not self._stop.wait(self.interval_s):
+            if self.agent_pid is not None and os.getppid() != self.agent_pid:
+                self._lose_launcher(f"its torchrun agent (pid {self.agent_pid}) is gone")
+                return
+            if self.world_size == 1:
+                continue
             try:
                 self._store.add(f"beat/{self.rank}", 1)
-            except Exception:  # noqa: BLE001 - store host gone; peers' silence decides below
-                pass
+                failures = 0
+            except Exception as e:  # noqa: BLE001 - the store's host may be gone
+                failures += 1
+                if failures >= STORE_FAILURES or not self._store_listens():
+                    self._lose_launcher(f"the launcher's store is unreachable ({one_line(e, 120)})")
+                    return
+                # Peers' counts cannot be read either: their silence would be this rank's.
+                continue
             lost = {r: s for r, s in self._silent_for().items() if s >= self.timeout_s}
             if lost and not self._stop.is_set():
                 names = ", ".join(f"rank {r} (silent {s:.0f} s)" for r, s in sorted(lost.items()))
@@ -150,6 +201,42 @@ class Heartbeat:
                     flush=True,
                 )
                 os._exit(LOST_RANK_EXIT_CODE)
+
+    def _store_listens(self) -> bool:
+        """Whether the store's port takes a plain connection (True when its address is
+        unknown): one more store call would log another C++ trace."""
+        if self._store_address is None:
+            return True
+        try:
+            socket.create_connection(self._store_address, timeout=self.interval_s).close()
+        except OSError:
+            return False
+        return True
+
+    def _lose_launcher(self, why: str) -> None:
+        """Stop calling the store; let the Trainer save and stop, else exit after timeout_s."""
+        self.launcher_lost = why
+        if self.on_launcher_lost is not None:
+            self.on_launcher_lost(why)
+            if self._stop.wait(self.timeout_s):
+                return  # the process stopped training by itself
+        print(
+            f"ddptrain: rank {self.rank}: {why}: the launcher died or lost its network. Exiting "
+            f"with code {LOST_RANK_EXIT_CODE}; start the job again and it resumes from the "
+            "latest checkpoint with resume='auto'.",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(LOST_RANK_EXIT_CODE)
+
+
+def _tcp_address(store: Any) -> tuple[str, int] | None:
+    """(host, port) of the TCPStore under `store`'s prefixes, or None for another kind."""
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return store.host, store.port
+    return None
 
 
 def replica_checksums(module: nn.Module) -> torch.Tensor:
@@ -185,6 +272,38 @@ def check_replicas(module: nn.Module, group: Any = None) -> None:
             )
 
 
+@contextlib.contextmanager
+def watching(
+    timeout_s: float | None, agent_pid: int | None, on_launcher_lost: Any = None
+) -> Iterator[Heartbeat | None]:
+    """Run the block with a Heartbeat watching the peers (none when timeout_s is None);
+    stopped when the block ends (explain_failure says why it ended, on an error)."""
+    heartbeat = (
+        Heartbeat(timeout_s=timeout_s, agent_pid=agent_pid, on_launcher_lost=on_launcher_lost)
+        if timeout_s
+        else None
+    )
+    if heartbeat is not None:
+        heartbeat.start()
+    try:
+        yield heartbeat
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def explain_failure(
+    error: BaseException, heartbeat: Heartbeat | None, rank: int, step: int
+) -> BaseException:
+    """The error to raise for `error`: the peer's, when a peer caused it; peers blocked on
+    this rank are told why it left."""
+    peer = peer_error(error, heartbeat, rank, step)
+    if heartbeat is not None:
+        # Before the group goes: a peer blocked on this rank reports why it left.
+        heartbeat.stop(error=one_line(peer or error))
+    return peer or error
+
+
 def one_line(error: BaseException, limit: int = 300) -> str:
     """`Type: first line of the message`, at most `limit` characters."""
     text = str(error).strip()
@@ -201,6 +320,11 @@ def peer_error(
     comm_failure = type(error) is RuntimeError or isinstance(error, dist.DistError)
     if heartbeat is None or not comm_failure:
         return None
+    if heartbeat.launcher_lost:
+        return LauncherLostError(
+            f"rank {rank}: stopped at step {step}: {heartbeat.launcher_lost}; start the job "
+            "again and it resumes from the latest checkpoint with resume='auto'"
+        )
     failed = heartbeat.failed_peers()
     if failed:
         peer, why = min(failed.items())
@@ -230,6 +354,18 @@ def on_nonfinite_gradients(
     dist.all_gather_object(flags, bool(torch.isfinite(local_loss)))
     bad = [rank for rank, finite in enumerate(flags) if not finite]
     report_nonfinite(step, bad, policy=policy, checkpoint_dir=checkpoint_dir)
+
+
+def report_nonfinite_steps(
+    mine: list[tuple[int, bool]], policy: str, checkpoint_dir: str | None
+) -> None:
+    """Collective: report every rank's skipped steps, given as (step, whether this rank's own
+    loss was finite), naming for each the ranks whose loss was not."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for step in sorted({step for theirs in everyone for step, _ in theirs}):
+        bad = [r for r, theirs in enumerate(everyone) if (step, False) in theirs]
+        report_nonfinite(step, bad, policy=policy, checkpoint_dir=checkpoint_dir)
 
 
 def report_nonfinite(step: int, bad: list[int], *, policy: str, checkpoint_dir: str | None) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from ddptrain.data import ShardedSampler
 from ddptrain.dist import DistInfo, broadcast_object, print0
+from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.config import TrainerConfig
 
@@ -86,11 +87,16 @@ def apply_resume_state(
     scheduler: Any,
     scaler: torch.amp.GradScaler | None,
     sampler: ShardedSampler | None,
+    model: nn.Module | None = None,
 ) -> tuple[int, int]:
-    """Load the optimizer, schedule, scaler, sampler and RNG states; return (step, epoch)."""
+    """Load the optimizer, schedule, scaler, sampler and RNG states; return (step, epoch).
+    `model`: the wrapper, whose optimizer state a fully sharded one loads piece by piece."""
     # Popped: the whole optimizer state would otherwise stay alive on every rank all run long,
     # undoing what a sharded (ZeRO) optimizer saves.
-    optimizer.load_state_dict(state.pop("optimizer"))
+    if isinstance(model, FullyShardedDataParallel):
+        model.load_optim_state_dict(optimizer, state.pop("optimizer"))
+    else:
+        optimizer.load_state_dict(state.pop("optimizer"))
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state.get("scaler") is not None:
@@ -119,16 +125,17 @@ def save_training_state(
     step: int,
     epoch: int,
     metrics: dict[str, float],
-) -> None:
-    """Rank 0 writes the checkpoint of `step`; a failed save raises on every rank."""
+) -> Path | None:
+    """Rank 0 writes the checkpoint of `step` and returns its path (None elsewhere); a failed
+    save raises on every rank."""
     rng = [None] * info.world_size
     dist.all_gather_object(rng, ckpt.capture_rng_state())
-    # Collective for a sharded optimizer (ZeRO gathers every rank's shard), so every rank calls it.
-    optimizer_state = optimizer.state_dict()
-    error = None
+    # Collective when sharded (ZeRO gathers every rank's shard), so every rank calls it.
+    model_state, optimizer_state = _whole_states(model, optimizer)
+    error, path = None, None
     if info.is_main:
         state = {
-            "model": model.module.state_dict(),
+            "model": model_state,
             "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
@@ -139,7 +146,7 @@ def save_training_state(
         }
         best = cfg.best_metric if cfg.best_metric in metrics else None
         try:
-            ckpt.save_checkpoint(
+            path = ckpt.save_checkpoint(
                 cfg.checkpoint_dir,
                 state,
                 step=step,
@@ -154,6 +161,15 @@ def save_training_state(
     error = broadcast_object(error)
     if error:
         raise ckpt.CheckpointError(error)
+    return path
+
+
+def _whole_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The plain module's state_dict and the plain optimizer's, whatever is sharded: what a
+    checkpoint holds, so it loads at any world size and zero_stage, or without ddptrain."""
+    if isinstance(model, FullyShardedDataParallel):
+        return model.state_dict(), model.optim_state_dict(optimizer)
+    return model.module.state_dict(), optimizer.state_dict()
 
 
 def _latest_setting_aside_invalid(directory: str) -> Path | None:

@@ -20,6 +20,8 @@ fit() is the synchronous-SGD loop: init distributed -> seed -> build -> wrap (ra
 everywhere) -> resume -> for each step: per-rank shard of the global batch, forward, backward
 (gradients averaged by the wrapper), optimizer step -> periodic evaluation, logs, checkpoints.
 Every collective runs on every rank; only printing, progress and file writes are rank 0's.
+With checkpoint_dir, a preemption signal (or a lost launcher) saves the step and stops at the
+next step boundary: fit() raises Preempted, a SystemExit (train/preempt.py).
 """
 
 from __future__ import annotations
@@ -34,24 +36,20 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddptrain import profiling
+from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
-from ddptrain.train import build, health, resume
+from ddptrain.train import build, health, preempt, resume
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.epochs import make_epochs
 from ddptrain.train.evaluation import evaluate, move_to
-from ddptrain.train.health import Heartbeat, NonFiniteError
-from ddptrain.train.log import (
-    LossWindow,
-    Progress,
-    ProgressBar,
-    describe_run,
-    format_metrics,
-    open_logs,
-    start_record,
-    want_progress_bar,
-)
+from ddptrain.train.health import NonFiniteError
+from ddptrain.train.log import describe_run
+from ddptrain.train.output import RunOutput
+from ddptrain.train.step import autocast, optimizer_step
 
-__all__ = ["NonFiniteError", "Trainer"]
+__all__ = ["NonFiniteError", "Preempted", "Trainer"]
+
+Preempted = preempt.Preempted
 
 
 class Trainer:
@@ -91,24 +89,29 @@ class Trainer:
 
     # ----------------------------------------------------------------------- the recipe
     def fit(self) -> dict[str, Any]:
-        """Train to config.max_steps or config.epochs; return a summary (the same on every rank)."""
+        """Train to config.max_steps or config.epochs; return a summary (the same on every rank).
+
+        Raises Preempted (a SystemExit) when it saved and stopped early (train/preempt.py)."""
         owns_group = not dist.is_initialized()
         self.info = init_distributed(self.config.backend, timeout_s=self.config.timeout_s)
-        timeout = self.config.heartbeat_timeout_s
-        self._heartbeat = Heartbeat(timeout_s=timeout).start() if timeout else None
+        cfg = self.config
+        self._boundary = preempt.Boundary(cfg, self.info)
+        lost = self._boundary.on_launcher_lost()
+        watch = health.watching(cfg.heartbeat_timeout_s, self.info.agent_pid, lost)
         try:
-            return self._fit(self.info)
-        except BaseException as e:
-            peer = health.peer_error(e, self._heartbeat, self.info.rank, self.step)
-            if self._heartbeat:
-                # Before the group goes: a peer blocked on this rank reports why it left.
-                self._heartbeat.stop(error=health.one_line(peer or e))
-            if peer is None:
-                raise
-            raise peer from e
+            with watch as self._heartbeat:
+                try:
+                    return self._fit(self.info)
+                except Preempted:
+                    raise  # a clean stop: peers stop at the same boundary, none waits for it
+                except BaseException as e:
+                    explained = health.explain_failure(
+                        e, self._heartbeat, self.info.rank, self.step
+                    )
+                    if explained is e:
+                        raise
+                    raise explained from e
         finally:
-            if self._heartbeat:
-                self._heartbeat.stop()
             if owns_group:
                 shutdown()
 
@@ -136,17 +139,27 @@ class Trainer:
         # 6. Resume the optimizer, sampler and RNG states.
         if resume_state is not None:
             self.step, self.epoch = resume.apply_resume_state(
-                resume_state, cfg, info, self.optimizer, self.scheduler, self.scaler, self.sampler
+                resume_state,
+                cfg,
+                info,
+                self.optimizer,
+                self.scheduler,
+                self.scaler,
+                self.sampler,
+                model=self.model,
             )
         resumed = resume_state is not None
         self._announce(resumed)
         # 7. Loop, then 8. a final evaluation and save.
         self._open_logs(resumed)
         try:
-            self._train(eval_set)
-            self._finish(eval_set)
+            # Installed for the loop only: before it there is nothing to save, and Ctrl-C
+            # during a rendezvous or a download keeps stopping at once.
+            with self._boundary.stop.catching(self._boundary.signals):
+                self._train(eval_set)
+                self._finish(eval_set)
         finally:
-            self._close_logs()
+            self._out.close()
         return self._summary()
 
     # ----------------------------------------------------------------------- building
@@ -175,12 +188,12 @@ class Trainer:
     def _step(self, batches: list[Any], epoch: Any, eval_set: Dataset | None) -> bool:
         """One optimizer step on this rank's micro-batches, then the periodic work that falls
         due after it (ranks in lockstep); False: this rank stops the epoch here."""
-        self._tracer.before_step(self.step + 1)
+        self._out.tracer.before_step(self.step + 1)
         loss, outcome = self._train_step(batches, epoch)
-        self._tracer.after_step(self.step + 1)
+        self._out.tracer.after_step(self.step + 1)
         epoch.consumed(len(batches))
         self.step += 1
-        self._progress.window.add(loss, len(batches) * self._per_rank_batch_size())
+        self._out.window.add(loss, len(batches) * self._per_rank_batch_size())
         if outcome == "nonfinite":
             self._nonfinite.append((self.step, bool(torch.isfinite(loss))))
         if epoch.lockstep:
@@ -193,7 +206,7 @@ class Trainer:
         """Forward and backward each micro-batch (averaging on the last), then the optimizer
         step: (summed local loss, "stepped", "nonfinite" (skipped, nothing changed) or
         "deferred"). Wall-clock marks split its time into the phases of train.timing."""
-        times = self._progress.window.times
+        times = self._out.window.times
         began = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.info.device)
@@ -213,7 +226,8 @@ class Trainer:
             return total, "deferred"
         mark = time.perf_counter()
         with profiling.mark("ddptrain.optimizer"):
-            stepped = self._optimizer_step()
+            clip = self.config.grad_clip_norm
+            stepped = optimizer_step(self.model, self.optimizer, self.scaler, clip)
         if stepped:
             self._step_scheduler()
         now = time.perf_counter()
@@ -241,6 +255,9 @@ class Trainer:
                     "with .mean() (or .sum() / batch size)"
                 )
             scaled = loss / micro
+            if sync and self._flags_ride:
+                # As late as possible: a signal that arrives after this waits one more step.
+                self.model.flag_next_sync(self._boundary.wanted())
             with profiling.mark("ddptrain.backward"):
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return scaled.detach().float()
@@ -250,35 +267,8 @@ class Trainer:
         if build.steps_per_optimizer_step(self.scheduler):
             self.scheduler.step()
 
-    def _optimizer_step(self) -> bool:
-        """Clip (or measure) the gradient norm and step; return False, having dropped the
-        gradients and changed nothing, if they are not finite (the caller applies the policy)."""
-        scaler, optimizer = self.scaler, self.optimizer
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        params = [p for p in self.model.module.parameters() if p.grad is not None]
-        if self.config.grad_clip_norm is not None:
-            norm = nn.utils.clip_grad_norm_(params, self.config.grad_clip_norm)
-        else:
-            norm = nn.utils.get_total_norm([p.grad for p in params])
-        if scaler is not None:
-            # GradScaler skips steps with inf/NaN itself: they are expected while it calibrates.
-            scaler.step(optimizer)
-            scaler.update()
-            return True
-        # Gradients are already averaged, so every rank reaches the same verdict here.
-        if not torch.isfinite(norm):
-            optimizer.zero_grad(set_to_none=True)
-            return False
-        optimizer.step()
-        return True
-
-    def _autocast(self):
-        precision = self.config.precision
-        if precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        return torch.autocast(self.info.device.type, dtype=dtype)
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.config.precision, self.info.device)
 
     # ----------------------------------------------------------------------- periodic work
     def _after_step(self, *, epoch_done: bool, eval_set: Dataset | None) -> None:
@@ -288,56 +278,47 @@ class Trainer:
         every = self.config.check_replicas_every
         if every and (self.step % every == 0 or not self.epochs.lockstep):
             health.check_replicas(self.model.module)
-        self._log_step(force=not self.epochs.lockstep)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self._out.log_step(
+            self.step, self.epoch, lr, self.total_steps, force=not self.epochs.lockstep
+        )
         self._maybe_evaluate(eval_set, epoch_done)
-        self._maybe_save(epoch_done)
+        agreed = None
+        if self._boundary.enabled:
+            # In lockstep the step's reduction carried the answer; uneven epochs ask once.
+            carried = self.model.synced_flag if self._flags_ride else None
+            agreed = self._boundary.agree(carried)
+        self._maybe_save(epoch_done, now=agreed is not None)
+        if agreed is not None and agreed.stop:
+            saved_here = self._out.progress.saved_at == self.step
+            raise self._boundary.stopped(agreed, self.step, saved_here)
 
     def _report_nonfinite(self) -> None:
-        """Warn about (policy "skip") or stop at (policy "stop") the steps whose averaged
-        gradients were not finite, naming the ranks whose own loss was not. Collective, except
-        in lockstep with nothing to report: there every rank saw the same averaged gradients."""
-        if self.epochs.lockstep and not self._nonfinite:
-            return
-        everyone: list[Any] = [None] * self.info.world_size
-        dist.all_gather_object(everyone, self._nonfinite)
-        self._nonfinite = []
-        for step in sorted({step for mine in everyone for step, _ in mine}):
-            bad = [r for r, mine in enumerate(everyone) if (step, False) in mine]
+        """Warn about (policy "skip") or stop at (policy "stop") the steps skipped for
+        non-finite gradients. Collective, except in lockstep with nothing to report: there
+        every rank saw the same averaged gradients."""
+        if self._nonfinite or not self.epochs.lockstep:
             cfg = self.config
-            health.report_nonfinite(
-                step, bad, policy=cfg.nonfinite, checkpoint_dir=cfg.checkpoint_dir
-            )
-
-    def _log_step(self, force: bool = False) -> None:
-        """Every log_every_steps (or when `force`d), report the window's mean loss."""
-        cfg, progress = self.config, self._progress
-        due = self.step % cfg.log_every_steps == 0 or self.step == self.total_steps
-        if not (due or force):
-            return
-        progress.last_loss, samples_per_s, split = progress.window.report()
-        record = {
-            "step": self.step,
-            "epoch": self.epoch,
-            "loss": progress.last_loss,
-            "lr": self.optimizer.param_groups[0]["lr"],
-            "samples_per_s": samples_per_s,
-            "time_s": time.perf_counter() - progress.start,
-            **split,
-        }
-        self._bar.update(self.step, record)
-        if self._log:
-            self._log.write(record)
+            health.report_nonfinite_steps(self._nonfinite, cfg.nonfinite, cfg.checkpoint_dir)
+            self._nonfinite = []
 
     def _maybe_evaluate(self, eval_set: Dataset | None, epoch_done: bool) -> None:
         if self._due(self.config.eval_every_steps, epoch_done):
-            with self._progress.window.paused():
-                self._progress.metrics = self._evaluate_and_log(eval_set)
-            self._progress.evaluated_at = self.step
+            with self._out.progress.window.paused():
+                self._out.progress.metrics = self._evaluate_and_log(eval_set)
+            self._out.progress.evaluated_at = self.step
 
-    def _maybe_save(self, epoch_done: bool) -> None:
-        if self.config.checkpoint_dir and self._due(self.config.checkpoint_every_steps, epoch_done):
-            with self._progress.window.paused():
-                self._save()
+    def _maybe_save(self, epoch_done: bool, now: bool = False) -> None:
+        """Save on the step schedule, or `now` (a stop or a timed save), unless this step is
+        saved already."""
+        cfg, progress = self.config, self._out.progress
+        if not cfg.checkpoint_dir or progress.saved_at == self.step:
+            return
+        if now or self._due(cfg.checkpoint_every_steps, epoch_done):
+            with progress.window.paused():
+                # An uneven epoch resumes from its start: one saved at its end resumes at the
+                # next (an even one's sampler knows by itself that it is used up).
+                self._save(next_epoch=epoch_done and not self.epochs.lockstep)
 
     def _due(self, every_steps: int | None, epoch_done: bool) -> bool:
         """Periodic work runs every `every_steps` optimizer steps, else at each epoch's end;
@@ -349,42 +330,45 @@ class Trainer:
     def _finish(self, eval_set: Dataset | None) -> None:
         """Evaluate and save the last step unless the loop just did. A resumed run re-evaluates
         even with no step left, so its summary has metrics, but never re-saves its own step."""
-        if self._progress.evaluated_at != self.step:
-            self._progress.metrics = self._evaluate_and_log(eval_set)
-        if self.config.checkpoint_dir and self._progress.saved_at != self.step:
+        if self._out.progress.evaluated_at != self.step:
+            self._out.progress.metrics = self._evaluate_and_log(eval_set)
+        if self.config.checkpoint_dir and self._out.progress.saved_at != self.step:
             self._save()
+
+    @property
+    def _flags_ride(self) -> bool:
+        """Whether each step's reduction carries the boundary's question (lockstep, the DDP
+        wrapper's flag_next_sync); otherwise boundaries ask with a small all_reduce."""
+        ddp = isinstance(self.model, DistributedDataParallel)
+        return self._boundary.enabled and self.epochs.lockstep and ddp
 
     def _summary(self) -> dict[str, Any]:
         cfg, world_size = self.config, self.info.world_size
-        return self._progress.summary(self.step, self.epoch, cfg.global_batch_size, world_size)
+        return self._out.progress.summary(self.step, self.epoch, cfg.global_batch_size, world_size)
 
     # ----------------------------------------------------------------------- evaluation
     def _evaluate_and_log(self, eval_set: Dataset | None) -> dict[str, float]:
         if eval_set is None:
             return {}
-        metrics = evaluate(
-            self.model.module,
-            eval_set,
-            self.validation_step,
-            batch_size=self.config.eval_batch_size,
-            device=self.info.device,
-            autocast=self._autocast,
-        )
+        with build.whole_parameters(self.model):
+            metrics = evaluate(
+                self.model.module,
+                eval_set,
+                self.validation_step,
+                batch_size=self.config.eval_batch_size,
+                device=self.info.device,
+                autocast=self._autocast,
+            )
         self.config.check_best_metric(metrics)
         if metrics:
             build.plateau_step(self.config, self.scheduler, metrics)
-        if metrics:
-            self._bar.print(f"step {self.step} epoch {self.epoch}: {format_metrics(metrics)}")
-            if self._log:
-                time_s = time.perf_counter() - self._progress.start
-                self._log.write(
-                    {"step": self.step, "epoch": self.epoch, **metrics, "time_s": time_s}
-                )
+        self._out.log_eval(self.step, self.epoch, metrics)
         return metrics
 
     # ----------------------------------------------------------------------- output
-    def _save(self) -> None:
-        resume.save_training_state(
+    def _save(self, next_epoch: bool = False) -> None:
+        started = time.monotonic()
+        path = resume.save_training_state(
             self.config,
             self.info,
             self.model,
@@ -393,10 +377,11 @@ class Trainer:
             self.scaler,
             self.sampler,
             step=self.step,
-            epoch=self.epoch,
-            metrics=self._progress.metrics,
+            epoch=self.epoch + 1 if next_epoch else self.epoch,
+            metrics=self._out.progress.metrics,
         )
-        self._progress.saved_at = self.step
+        self._out.progress.saved_at = self.step
+        self._boundary.saved(path, time.monotonic() - started)
 
     def _announce(self, resumed: bool) -> None:
         resumed_at = self.step if resumed else None
@@ -405,29 +390,6 @@ class Trainer:
         print0(describe_run(cfg, info, sampler, model, self.total_steps, resumed_at, by_epochs))
 
     def _open_logs(self, resumed: bool) -> None:
-        cfg, info = self.config, self.info
         # (step, whether this rank's loss was finite) of steps skipped for non-finite gradients.
         self._nonfinite: list[tuple[int, bool]] = []
-        # A resumed run never re-saves the step it resumed from (that file exists).
-        saved_at = self.step if resumed else -1
-        self._progress = Progress(LossWindow(info.device), self.step, saved_at)
-        self._log = open_logs(cfg.loggers, cfg.log_dir) if info.is_main and cfg.log_dir else None
-        if self._log:
-            self._log.write(start_record(cfg, info, self.step))
-        enabled = info.is_main and want_progress_bar(cfg.progress_bar)
-        self._bar = ProgressBar(self.total_steps, self.step, enabled=enabled)
-        trace_dir = cfg.log_dir or cfg.checkpoint_dir
-        self._tracer = profiling.StepTracer(cfg.profile_steps, trace_dir, info.rank)
-        missed = profiling.range_missed(cfg.profile_steps, self.step + 1, self.total_steps)
-        if missed and self.step < self.total_steps:
-            first, last = cfg.profile_steps
-            print0(
-                f"warning: profile_steps=({first}, {last}) lies outside the steps this run "
-                f"takes ({self.step + 1}..{self.total_steps}): no trace will be written"
-            )
-
-    def _close_logs(self) -> None:
-        self._tracer.close()
-        self._bar.close()
-        if self._log:
-            self._log.close()
+        self._out = RunOutput(self.config, self.info, self.total_steps, self.step, resumed)

@@ -145,3 +145,15 @@ def test_machine_records_the_kernels_torch_picked():
     info = bench_report.machine()
     assert info["cpu"] and info["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(info["cpu_flags"]) <= set(bench_report.KERNEL_FLAGS)
+
+
+def test_sharded_variants_run_and_are_paired_against_fully_shard(tmp_path):
+    """--extras zero2,zero3,torch_fsdp time ddptrain's ZeRO-2 and ZeRO-3 and torch's fully_shard
+    beside the base variants, and report each of ours paired against fully_shard."""
+    args = ["--quick", "--extras", "zero2,zero3,torch_fsdp", "--ring-reps", "0", "--no-plot"]
+    result = bench.main([*args, "--out", str(tmp_path)])
+    lenet = result["models"]["lenet"]
+    assert list(lenet["variants"]) == [*bench.BASE_VARIANTS, *bench.SHARDED_EXTRAS]
+    assert all(lenet["variants"][v]["median_ms"] > 0 for v in bench.SHARDED_EXTRAS)
+    assert set(lenet["vs_torch_fsdp_paired"]) == {"zero2", "zero3"}
+    assert "zero3 / torch_fsdp step time, paired median" in bench_report.format_table(result)

@@ -32,7 +32,7 @@ def _clean_env() -> dict[str, str]:
 
 
 def _one_host_transport() -> str:
-    # What SharedMemoryHook.available() finds on one host: a /dev/shm every rank can write;
+    # What SharedMemory.available() finds on one host: a /dev/shm every rank can write;
     # without one, the ranks connect over TCP.
     return "shared_memory" if os.access("/dev/shm", os.W_OK) else "tcp"
 

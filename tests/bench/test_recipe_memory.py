@@ -220,3 +220,20 @@ def test_shm_bytes_come_from_ddptrain_mappings_only():
     assert memory.shm_mapped_bytes(MAPS) == 0x400000 + 0x1000
     assert memory.status_bytes("VmHWM:\t  2048 kB\nRssShmem:\t 12 kB\n", "RssShmem") == 12 * 1024
     assert memory.status_bytes("VmHWM:\t  2048 kB\n", "RssShmem") == 0
+
+
+def test_memory_of_the_zero_stages_holds_their_share(tmp_path):
+    """--memory with AdamW: DDP holds 16 bytes a parameter, ZeRO-1 8 + 8/ws, ZeRO-3 16/ws (its
+    shards, within the alignment padding); every variant reports a positive training peak."""
+    argv = ["--memory", "--quick", "--optimizer", "adamw", "--malloc", "return"]
+    argv += ["--variants", "ddptrain,zero1,zero3", "--out", str(tmp_path)]
+    mlp = memory.main(argv)["models"]["mlp"]
+    params = mlp["grad_bytes"]
+    held = {v: row["held_bytes"] for v, row in mlp["variants"].items()}
+    # Beyond the shares: Adam's 4-byte step counters and up to 64 elements of alignment
+    # per parameter and state (10 parameters, 4 bytes, 4 copies): at most 11 KiB.
+    slack = 10 * 4 * (64 * 4 + 1)
+    assert 0 <= held["ddptrain"] - 4 * params <= slack
+    assert abs(held["zero1"] - (2 * params + 2 * params / 2)) <= slack
+    assert abs(held["zero3"] - 4 * params / 2) <= slack
+    assert all(row["training_peak_bytes"] > 0 for row in mlp["variants"].values())

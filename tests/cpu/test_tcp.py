@@ -1,4 +1,4 @@
-"""The direct TCP transport (parallel/tcp.py): sums, defaults, fallbacks and failures.
+"""The direct TCP transport (cpu/tcp.py): sums, defaults, fallbacks and failures.
 
 One spawned world per world size runs every multi-process case of this module
 (worlds.run_cases); the tests read their case's results from it.

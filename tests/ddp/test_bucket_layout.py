@@ -23,8 +23,8 @@ def _bf16(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def test_build_layout_gives_each_parameter_one_slot_and_flags_after_the_last_bucket_if_asked():
-    """Slots tile the buckets in launch order, without overlap; the flags, when asked for, are
-    the tail."""
+    """Slots tile the buckets in launch order, without overlap; the flags and then the synced
+    value, when asked for, are the tail."""
     params = [torch.empty(300), torch.empty(4, 5, 3, 3).to(memory_format=torch.channels_last)]
     params.append(torch.empty(1000))
     # 1.2 KB closes the first bucket after parameter 2; 0 and 1 share the second.
@@ -32,7 +32,7 @@ def test_build_layout_gives_each_parameter_one_slot_and_flags_after_the_last_buc
     assert layout.order == [2, 1, 0]
     assert layout.members == [[2], [1, 0]] and layout.lens == [1, 2]
     assert layout.bucket_of == [1, 1, 0]
-    assert [f.numel() for f in layout.flats] == [1000, 180 + 300 + 3]
+    assert [f.numel() for f in layout.flats] == [1000, 180 + 300 + 3 + 1]
     assert layout.views[2].data_ptr() == layout.flats[0].data_ptr()
     second = layout.flats[1]
     assert layout.views[1].data_ptr() == second.data_ptr()
@@ -40,9 +40,12 @@ def test_build_layout_gives_each_parameter_one_slot_and_flags_after_the_last_buc
     assert layout.views[1].stride() == params[1].stride()
     assert layout.used_flags.data_ptr() == second[480:].data_ptr()
     assert layout.used_flags.numel() == 3
+    assert layout.sync_value.data_ptr() == second[483:].data_ptr()
+    assert layout.sync_value.numel() == 1
     assert layout.grad_is_view == [True, True, True]
     plain = build_layout(params, [2, 1, 0], 10**6, 1200, _zeros, as_view=True, flags=False)
     assert [f.numel() for f in plain.flats] == [1000, 180 + 300] and plain.used_flags is None
+    assert plain.sync_value is None
 
 
 def test_build_layout_makes_gradients_copies_where_the_bucket_dtype_differs():

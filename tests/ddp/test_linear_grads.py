@@ -1,4 +1,4 @@
-"""Linear gradients computed straight into bucket slots (parallel/linear_grads.py): where they
+"""Linear gradients computed straight into bucket slots (ddp/linear_grads.py): where they
 land, that no private gradient-sized tensor is made, and that every case that must not write
 into a slot (a penalty term, a hook, no_sync, autocast) still trains like
 official DDP.

@@ -11,7 +11,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
 from ddptrain.optim.broadcast import plan_broadcasts
-from ddptrain.optim.zero import ALIGN, ZeroRedundancyOptimizer, shard_ranges
+from ddptrain.optim.partition import ALIGN, shard_ranges
+from ddptrain.optim.zero import ZeroRedundancyOptimizer
 from support import toy_models
 
 STEPS = 20

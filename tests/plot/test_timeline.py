@@ -23,12 +23,12 @@ def _trace(rank, events):
 
 
 def test_marks_become_step_and_comm_spans():
-    """Trainer marks land on the step row, shm reductions on the comm row, in host seconds."""
+    """Trainer marks land on the step row, bucket reductions on the comm row, in host seconds."""
     trace = _trace(1, [
         _event("ddptrain.forward", 100, 50),
         _event("ddptrain.backward", 150, 100),
         _event("ddptrain.wait bucket 0", 230, 20),
-        _event("ddptrain.shm_reduce 1024", 200, 50, tid=2),
+        _event("ddptrain.reduce bucket 0", 200, 50, tid=2),
         _event("ddptrain.fill bucket 0", 160, 1),
     ])  # fmt: skip
     spans = timeline.trace_spans(trace, timeline.trace_rank(trace, 0))
@@ -44,11 +44,11 @@ def test_marks_become_step_and_comm_spans():
     assert forward.start_s == pytest.approx(1.0 + 100e-6) and forward.dur_s == pytest.approx(50e-6)
 
 
-def test_tcp_reductions_land_on_the_comm_row():
-    """The TCP transport's marked reductions are drawn as communication, like shared memory's."""
+def test_reductions_are_drawn_where_they_ran_not_from_launch_to_wait():
+    """A bucket's marked reduction is the comm span, not the launch-to-wait interval."""
     trace = _trace(0, [
         _event("ddptrain.launch bucket 0", 100, 5),
-        _event("ddptrain.tcp_reduce 4096", 120, 70, tid=2),
+        _event("ddptrain.reduce bucket 0", 120, 70, tid=2),
         _event("ddptrain.wait bucket 0", 200, 10),
     ])  # fmt: skip
     comm = [s for s in timeline.trace_spans(trace, 0) if s.row == "comm"]
@@ -57,7 +57,7 @@ def test_tcp_reductions_land_on_the_comm_row():
 
 
 def test_backend_all_reduce_spans_run_from_launch_to_wait_end():
-    """Without shm reductions, a bucket is in flight from its launch to the end of its wait."""
+    """Without reduction marks, a bucket is in flight from its launch to the end of its wait."""
     trace = _trace(0, [
         _event("ddptrain.launch bucket 0", 100, 5),
         _event("ddptrain.launch bucket 1", 150, 5),

@@ -6,6 +6,7 @@
         python tests/support/fault_job.py ...
 
 Rank 0 writes the final parameters to --out. --fault KIND:RANK:STEP as in toy_models.ToyTrainer.
+`main(argv)` runs the same job in a rank that ddptrain.spawn started (a reference run).
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ import sys
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
-from toy_models import ToyTrainer  # a sibling: this file runs as a script
+
+try:
+    from toy_models import ToyTrainer  # a sibling: this file runs as a script
+except ImportError:  # imported by a test, as support.fault_job
+    from support.toy_models import ToyTrainer
 
 from ddptrain.train.config import TrainerConfig
 
 
 @record
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=3)
@@ -33,7 +38,11 @@ def main() -> int:
     p.add_argument("--nonfinite", default="stop")
     p.add_argument("--check-replicas-every", type=int, default=None)
     p.add_argument("--comm-hook", default="default")
-    args = p.parse_args()
+    p.add_argument("--sleep-per-step", type=float, default=0.0)
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--log-every", type=int, default=4)
+    p.add_argument("--max-steps", type=int, default=None)
+    args = p.parse_args(argv)
     fault = None
     if args.fault:
         kind, rank, step = args.fault.split(":")
@@ -41,7 +50,9 @@ def main() -> int:
     config = TrainerConfig(
         global_batch_size=12,
         epochs=args.epochs,
-        log_every_steps=4,
+        max_steps=args.max_steps,
+        log_every_steps=args.log_every,
+        log_dir=args.log_dir,
         checkpoint_dir=args.ckpt_dir,
         checkpoint_every_steps=args.checkpoint_every if args.ckpt_dir else None,
         resume="auto" if args.ckpt_dir else None,
@@ -52,7 +63,7 @@ def main() -> int:
         check_replicas_every=args.check_replicas_every,
         comm_hook=args.comm_hook,
     )
-    trainer = ToyTrainer(config, dropout=0.3, fault=fault)
+    trainer = ToyTrainer(config, dropout=0.3, fault=fault, step_sleep_s=args.sleep_per_step)
     summary = trainer.fit()
     if trainer.info.rank == 0 and args.out:
         params = [p.detach().clone() for p in trainer.model.module.parameters()]

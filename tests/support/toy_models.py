@@ -130,17 +130,20 @@ class CrashAt(RuntimeError):
 class ToyTrainer(Trainer):
     """A 3-class problem from a fixed linear teacher, with optional dropout and an injected fault.
 
-    fault = {"kind": "raise" | "kill" | "freeze" | "nan" | "perturb", "step": S, "rank": R
-    (default: every rank), "stamp": path to write the time of a kill/freeze}. A kill or freeze
-    happens only on a job's first attempt, so a torchrun restart runs clean. smooth=True uses
-    tanh instead of ReLU, for runs compared with a tolerance rather than bitwise.
+    fault = {"kind": "raise" | "kill" | "freeze" | "nan" | "perturb" | "sigterm" | "sigint" |
+    "sigusr1", "step": S, "rank": R (default: every rank), "stamp": path to write the time of a
+    kill/freeze}, injected while the step after S runs. A kill or freeze happens only on a job's
+    first attempt, so a torchrun restart runs clean; a signal to itself, only in a run that
+    started before S. smooth=True uses tanh instead of ReLU, for runs compared with a tolerance
+    rather than bitwise. step_sleep_s slows each step, for a signal from outside to land mid-run.
     """
 
-    def __init__(self, config, dropout=0.0, fault=None, smooth=False):
+    def __init__(self, config, dropout=0.0, fault=None, smooth=False, step_sleep_s=0.0):
         super().__init__(config)
         self.dropout = dropout
         self.fault = fault
         self.smooth = smooth
+        self.step_sleep_s = step_sleep_s
 
     def build_model(self):
         activation = nn.Tanh() if self.smooth else nn.ReLU()
@@ -165,6 +168,8 @@ class ToyTrainer(Trainer):
     def training_step(self, model, batch):
         x, y = batch
         loss = F.cross_entropy(model(x), y)
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)
         return self._inject(model, loss)
 
     def validation_step(self, model, batch):
@@ -187,6 +192,9 @@ class ToyTrainer(Trainer):
         if kind == "perturb":
             with torch.no_grad():
                 next(model.module.parameters()).add_(1e-3)
+            return loss
+        if kind.startswith("sig"):
+            os.kill(os.getpid(), signal.Signals[kind.upper()])
             return loss
         if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
             return loss

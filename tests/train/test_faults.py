@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddptrain
+from ddptrain.train import checkpoint as ckpt
 from support.child_env import child_env
 
 JOB = Path(__file__).resolve().parents[1] / "support" / "fault_job.py"
@@ -133,6 +136,69 @@ def test_frozen_rank_is_detected_by_the_heartbeat(tmp_path):
     assert 3 < seconds < DETECTED_WITHIN_S
 
 
+_STORE_SERVER = """
+import sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, wait_for_workers=False)
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def _watch_a_store_that_goes(port: int, server_pid: int) -> dict:
+    """Heartbeats on an outside store (an agent's) whose process rank 0 kills once both beat."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ddptrain.train.health import Heartbeat
+
+    ddptrain.init_distributed()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    lost: list[str] = []
+    heartbeat = Heartbeat(timeout_s=10, interval_s=0.2, store=store, on_launcher_lost=lost.append)
+    heartbeat.start()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.kill(server_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while not lost and time.monotonic() < killed + DETECTED_WITHIN_S:
+        time.sleep(0.05)
+    seconds = time.monotonic() - killed
+    heartbeat.stop()
+    return {"lost": lost, "seconds": seconds, "stored_after": heartbeat.failed_peers()}
+
+
+def test_a_dead_store_is_named_once_and_no_live_peer_is_called_lost(capfd):
+    """The store's process dies (the agent hosting it): each rank's heartbeat stops calling it
+    after one failed beat (its port refuses connections), logging one C++ trace, not one per
+    beat, and reports "the launcher's store is unreachable" instead of declaring its live peer
+    lost (which would exit 75 once heartbeat_timeout_s passed)."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", _STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout.readline().strip() == "up"
+        # Fresh interpreters ("spawn"): they write to this test's captured stderr, where a
+        # forkserver started by an earlier test would not.
+        results = ddptrain.spawn(
+            _watch_a_store_that_goes, 2, port, server.pid, timeout_s=240, start_method="spawn"
+        )
+    finally:
+        server.kill()
+        server.wait()
+    logged = capfd.readouterr().err
+    traces = logged.count("recvValue failed") + logged.count("sendBytes failed")
+    assert traces <= 2, logged[-3000:]
+    for r in results:
+        print(f"store loss noticed after {r['seconds']:.2f} s")
+        assert len(r["lost"]) == 1, r
+        assert r["lost"][0].startswith("the launcher's store is unreachable"), r
+        # Timing bound only against the 10-s heartbeat timeout that would call the peer lost.
+        assert r["seconds"] < 10 and r["stored_after"] == {}
+
+
 def _torchrun(args: list[str], tmp_path: Path, restarts: int) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
@@ -200,3 +266,124 @@ def test_replica_desync_is_detected_with_rank_and_parameter(tmp_path):
     for out, p in zip(outputs, procs, strict=True):
         assert p.returncode != 0
         assert "replicas diverged: rank 1 differs from rank 0 first at parameter '0.weight'" in out
+
+
+def _job(tmp_path: Path, name: str, extra: list[str]) -> list[str]:
+    """fault_job arguments of a slowed run (0.2 s a step, 24 steps) that logs every step and
+    checkpoints only when stopped and at its end."""
+    at = f"{tmp_path}/{name}"
+    return [
+        *("--ckpt-dir", f"{at}-ckpt", "--checkpoint-every", "100", "--out", f"{at}.pt"),
+        *("--log-dir", f"{at}-logs", "--log-every", "1", "--sleep-per-step", "0.2", *extra),
+    ]
+
+
+def _steps_logged(tmp_path: Path, name: str) -> list[int]:
+    path = tmp_path / f"{name}-logs" / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return [r["step"] for r in lines if "loss" in r]
+
+
+def _torchrun_cmd(args: list[str], torchrun_flags: list[str] = ()) -> list[str]:
+    return [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"),
+        *("--monitor-interval=0.5", *torchrun_flags, str(JOB), *args),
+    ]
+
+
+def _signal_mid_run(
+    tmp_path: Path, name: str, number: int, torchrun_flags: list[str] = ()
+) -> tuple[subprocess.Popen, str, float]:
+    """Start the slowed job under torchrun, send torchrun `number` once step 3 is logged;
+    return the finished process, its output and the seconds from the signal to its exit."""
+    proc = subprocess.Popen(
+        _torchrun_cmd(_job(tmp_path, name, []), torchrun_flags),
+        cwd=tmp_path,
+        env=child_env(PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + DETECTED_WITHIN_S
+        while not any(s >= 3 for s in _steps_logged(tmp_path, name)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.05)
+        signalled = time.monotonic()
+        proc.send_signal(number)
+        # The output pipe closes when the last worker exits, torchrun or not.
+        out, _ = proc.communicate(timeout=DETECTED_WITHIN_S)
+        return proc, out, time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def _resumes_bitwise(tmp_path: Path, name: str) -> bool:
+    """Whether the stopped run `name`, started again, ends with the parameters of a run never
+    stopped (both on 2 ranks started by ddptrain.spawn: the same world as torchrun's, without
+    an interpreter start per rank; no sleeping, which changes no number)."""
+    from support import fault_job
+
+    fast = ["--sleep-per-step", "0"]
+    for run in (name, "straight"):
+        ddptrain.spawn(fault_job.main, 2, _job(tmp_path, run, fast), timeout_s=240)
+    resumed, straight = (
+        torch.load(tmp_path / f"{run}.pt", weights_only=True)["params"]
+        for run in (name, "straight")
+    )
+    return all(torch.equal(x, y) for x, y in zip(resumed, straight, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("number", "torchrun_flags"),
+    [
+        # torchrun forwards SIGTERM by default (the elastic test meets it too): the same path.
+        pytest.param(signal.SIGTERM, [], marks=pytest.mark.slow, id="SIGTERM"),
+        pytest.param(
+            signal.SIGUSR1,
+            ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"],
+            id="SIGUSR1-forwarded",
+        ),
+    ],
+)
+def test_a_signal_to_torchrun_saves_the_last_step_and_the_rerun_is_bitwise(
+    tmp_path, number, torchrun_flags
+):
+    """torchrun forwards SIGTERM (and SIGUSR1 when told to): the workers save the step they
+    are at, no step after the checkpoint was trained, they exit with 76 long before torchrun's
+    30-s SIGKILL; started again, the run ends bitwise equal to a run never stopped."""
+    proc, out, seconds = _signal_mid_run(tmp_path, "b", number, torchrun_flags)
+    saved = ckpt.latest_checkpoint(tmp_path / "b-ckpt")
+    assert saved is not None, out
+    step = ckpt.parse_step(saved.name)
+    lost = max(_steps_logged(tmp_path, "b")) - step
+    print(
+        f"{signal.Signals(number).name}: saved step {step}, {lost} step(s) lost, exit "
+        f"{seconds:.2f} s after the signal"
+    )
+    assert lost == 0 and step >= 3, out
+    assert f"stopped at step {step} on {signal.Signals(number).name}" in out, out
+    assert "exiting with code 76" in out, out
+    assert seconds < DETECTED_WITHIN_S
+    assert _resumes_bitwise(tmp_path, "b")
+
+
+def test_workers_orphaned_by_torchrun_stop_at_the_next_step_with_one_line(tmp_path):
+    """SIGUSR1 kills torchrun outright (not in its --signals-to-handle): its workers see their
+    agent gone, save the step they are at and exit, saying so in one line; no trace of the
+    dead store floods the output, no live rank is called lost; the run resumes bitwise."""
+    _, out, seconds = _signal_mid_run(tmp_path, "o", signal.SIGUSR1)
+    saved = ckpt.latest_checkpoint(tmp_path / "o-ckpt")
+    assert saved is not None, out
+    step = ckpt.parse_step(saved.name)
+    print(f"orphans: saved step {step}, exited {seconds:.2f} s after torchrun died")
+    assert max(_steps_logged(tmp_path, "o")) == step, out
+    assert out.count("its torchrun agent (pid") == 1, out
+    assert f"stopped at step {step} on its torchrun agent" in out, out
+    assert "lost rank" not in out and "Broken pipe" not in out, out
+    assert seconds < DETECTED_WITHIN_S
+    assert _resumes_bitwise(tmp_path, "o")

@@ -1,0 +1,385 @@
+"""Fully sharded data parallel (ZeRO stage 3; stage 2 with reshard_after_forward=False).
+
+    info = ddptrain.init_distributed()
+    model = ddptrain.FullyShardedDataParallel(net, units=list(net.blocks))  # or by size
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # built on this rank's shards
+    loss_fn(model(x), y).backward()      # each shard's .grad: its piece of the mean gradient
+    opt.step()                           # steps this rank's shards only
+    state = model.state_dict()           # collective: whole tensors, the plain module's keys
+    optim_state = model.optim_state_dict(opt)   # collective: the plain optimizer's layout
+
+Every parameter is kept as world_size shards, one per rank (fsdp/unit.py); between steps the
+module holds this rank's shard as each parameter, so an optimizer built on model.parameters()
+holds 1/world_size of the state. The model is cut into units (submodules named in `units`, or
+by size; fsdp/units.py), each gathered whole just before its forward and, with ZeRO-3, freed
+after it and gathered again just before its backward. When a unit's backward is done, its
+gradients are reduce-scattered: each rank receives only its shard's piece of the mean. The
+next unit's gather is started before this one's forward or backward runs, and reduce-scatters
+run while autograd goes on, so communication overlaps compute as the DDP wrapper's buckets do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ddptrain.ddp.buffers import ModelBuffers
+from ddptrain.ddp.groups import close_at_shutdown, new_group_like, release_group
+from ddptrain.ddp.replicas import broadcast_coalesced, coalesce, verify_same_model
+from ddptrain.fsdp import state
+from ddptrain.fsdp.step import Pass, PostBackward, check_no_late_gradients, check_same_order
+from ddptrain.fsdp.unit import Unit
+from ddptrain.fsdp.units import DEFAULT_UNIT_MIN_NUMEL, choose_units, group_parameters
+
+# Reduce-scatters in flight at once: each holds a unit-sized send buffer. One overlaps the next
+# unit's backward; the one after it waits for it, so the gradient memory of a backward stays
+# near one shard plus two units (the one computing, the one travelling).
+MAX_REDUCING = 1
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards parameters, gradients and optimizer state across ranks (ZeRO-3; ZeRO-2 with
+    `reshard_after_forward=False`: parameters stay gathered from a unit's forward to the end of
+    its backward instead of being gathered twice).
+
+    Invariants:
+    - Every rank wraps the same model (checked); rank 0's parameters and buffers are everywhere
+      after construction.
+    - Between steps every parameter attribute of the module is this rank's shard (1-D, the
+      parameter's elements in memory order); inside a unit's forward it is the whole parameter.
+    - Every rank runs the same units in the same order, once each per forward (checked on the
+      first forward); one forward is followed by at most one backward.
+    - When backward returns outside no_sync(), each shard's .grad holds its piece of the mean
+      gradient over ranks (added to what it held); a parameter no rank got a gradient for keeps
+      its .grad (None after zero_grad), as under the DDP wrapper.
+    - state_dict(), optim_state_dict(), summon_full_params(), grad_norm() and clip_grad_norm_()
+      are collective; load_state_dict() and load_optim_state_dict() are not.
+    - Parameters keep their storage after wrapping (no `p.data = ...`, no `.to()`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        process_group: Any = None,
+        units: Iterable[nn.Module | type[nn.Module]] | None = None,
+        unit_min_numel: int = DEFAULT_UNIT_MIN_NUMEL,
+        reshard_after_forward: bool = True,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "FullyShardedDataParallel needs an initialized process group; call "
+                "ddptrain.init_distributed() (or torch.distributed.init_process_group) first"
+            )
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.reshard_after_forward = reshard_after_forward
+        self.broadcast_buffers = broadcast_buffers
+        verify_same_model(
+            list(module.named_parameters()), list(module.named_buffers()), process_group
+        )
+        with torch.no_grad():
+            broadcast_coalesced(coalesce(list(module.buffers())), process_group)
+        unit_modules = choose_units(module, units, unit_min_numel)
+        groups = group_parameters(module, unit_modules)
+        # Gathers and reduce-scatters each on a group of their own: each group's collectives
+        # are issued in an order every rank agrees on (forward order; reduce order), and a
+        # SyncBatchNorm's collectives on the model's group never pair with theirs.
+        self._gather_group = new_group_like(process_group)
+        self._reduce_group = new_group_like(process_group)
+        close_at_shutdown(self.close)
+        # Each unit takes its shard of rank 0's parameters (a scatter, one unit at a time).
+        self.units = [
+            Unit(m, refs, self.rank, self.world_size, self._gather_group, self._reduce_group)
+            for m, refs in zip(unit_modules, groups, strict=True)
+            if refs
+        ]
+        for unit in self.units:
+            unit.use_shards()
+            unit.module.register_forward_pre_hook(
+                functools.partial(self._before_forward, unit), with_kwargs=True
+            )
+            unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
+        self._model_buffers = ModelBuffers(module, process_group)
+        self.require_backward_grad_sync = True
+        self.last_comm_wait_s = 0.0
+        self._pass = Pass(sync=True)
+        self._pass.done = True
+        self._next_in_forward: dict[int, Unit] = {}
+        self._order_checked = False
+        self._summoned = False
+
+    # ----------------------------------------------------------------------------- forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._pass.done:
+            self._end_pass()  # the last forward had no backward: nothing of it is needed now
+        if self.broadcast_buffers and self.world_size > 1 and self._model_buffers:
+            self._model_buffers.sync(0)
+        training = torch.is_grad_enabled()
+        if training:
+            self._pass = Pass(sync=self.require_backward_grad_sync)
+        out = self.module(*args, **kwargs)
+        if training:
+            self._after_training_forward()
+        return out
+
+    def _before_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        """A unit's forward pre-hook: gather it, start gathering the next one; under grad,
+        route its inputs through _PostBackward so its backward's end is seen."""
+        if self._summoned:
+            return None
+        p = self._pass
+        training = torch.is_grad_enabled()
+        if training:
+            p.enter(unit)
+        unit.gather()
+        unit.wait()
+        unit.use_full()
+        following = self._next_in_forward.get(id(unit))
+        if following is not None:
+            following.gather()  # prefetch: it travels while this unit computes
+        if not training:
+            return None
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not where:
+            return None  # the first unit: the final callback finds its gradients complete
+        routed = PostBackward.apply(
+            functools.partial(self._after_backward, unit, p), *[flat[i] for i in where]
+        )
+        for i, t in zip(where, routed, strict=True):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def _after_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        """A unit's forward hook: free it (ZeRO-3, or no backward to come); under grad, hook
+        the start of its backward on its outputs."""
+        if self._summoned:
+            return
+        p = self._pass
+        training = torch.is_grad_enabled() and not p.done
+        is_root = unit.module is self.module
+        if not training or (self.reshard_after_forward and not is_root):
+            # The root is not freed after a training forward: its backward comes first.
+            unit.free()
+            if training:
+                p.freed_after_forward.append(unit)
+        if not training:
+            return
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+        tensors = [t for t in tensors if t.requires_grad]
+        if tensors:
+            hook = functools.partial(self._before_backward, unit, p)
+            register_multi_grad_hook(tensors, hook, mode="any")
+
+    def _after_training_forward(self) -> None:
+        """The orders of this pass's backward, and the next forward's prefetches."""
+        p = self._pass
+        if not self._order_checked:
+            check_same_order(p.ran, self.units, self._gather_group)
+            self._order_checked = True
+        # Reductions in reverse forward order (units whose backward ends first), then the units
+        # that did not run; gathers in the reverse of the order forwards ended (nested units).
+        p.reduce_order = list(reversed(p.ran)) + [u for u in self.units if u not in p.ran]
+        p.gather_order = list(reversed(p.freed_after_forward))
+        p.gather_position = {id(u): i for i, u in enumerate(p.gather_order)}
+        self._next_in_forward = {id(a): b for a, b in zip(p.ran, p.ran[1:], strict=False)}
+
+    # ----------------------------------------------------------------------------- backward
+    def _before_backward(self, unit: Unit, p: Pass, *grads: Any) -> None:
+        """Gradients reached a unit's outputs: gather it (ZeRO-3) and prefetch the next."""
+        p.check_current(self._pass)
+        self._queue_end_of_backward(p)
+        position = p.gather_position.get(id(unit))
+        if position is None:
+            return  # still gathered since its forward
+        # Gathers are issued in gather_order on every rank, even for a unit whose backward
+        # does not run here, so that they pair up with the other ranks'; the one after this
+        # unit is prefetched.
+        self._issue_gathers(p, position + 2)
+        unit.wait()
+        unit.use_full()
+
+    def _queue_end_of_backward(self, p: Pass) -> None:
+        if not p.callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            p.callback_queued = True
+
+    def _issue_gathers(self, p: Pass, count: int) -> None:
+        """Start the gathers of the first `count` units of gather_order not yet started."""
+        while p.gathers_issued < min(count, len(p.gather_order)):
+            p.gather_order[p.gathers_issued].gather()
+            p.gathers_issued += 1
+
+    def _after_backward(self, unit: Unit, p: Pass) -> None:
+        """A unit's backward is done (its inputs' gradients are computed): free its parameters,
+        reduce-scatter its gradients when their turn in reduce_order comes."""
+        p.check_current(self._pass)
+        self._queue_end_of_backward(p)
+        unit.free()
+        p.ready.add(id(unit))
+        self._launch_reductions(p)
+
+    def _launch_reductions(self, p: Pass) -> None:
+        """Start the reduce-scatters of ready units, strictly in reduce_order: every rank issues
+        the same ones in the same order, whichever units' backward ended first here."""
+        while p.reduced < len(p.reduce_order) and id(p.reduce_order[p.reduced]) in p.ready:
+            unit = p.reduce_order[p.reduced]
+            p.reduced += 1
+            if not (p.sync and unit.trainable):
+                continue  # no_sync(): the whole gradients stay, to be added to next time
+            while len(p.reducing) >= MAX_REDUCING:
+                p.reducing.pop(0).finish_gradients()
+            unit.reduce_gradients()
+            p.reducing.append(unit)
+
+    def _end_backward(self) -> None:
+        """Queued on the autograd engine: reduce what did not report, wait for every
+        reduce-scatter, free every unit. Each shard's .grad is then final."""
+        p = self._pass
+        p.ready.update(id(u) for u in p.reduce_order)
+        self._launch_reductions(p)
+        self._issue_gathers(p, len(p.gather_order))
+        started = time.perf_counter()
+        while p.reducing:
+            p.reducing.pop(0).finish_gradients()
+        self.last_comm_wait_s = time.perf_counter() - started
+        self._end_pass()
+        if p.sync:
+            check_no_late_gradients(self.units)
+
+    def _end_pass(self) -> None:
+        for unit in self.units:
+            unit.free()
+        self._pass.done = True
+
+    # ----------------------------------------------------------------------------- sync
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate whole gradients locally (the full gradient's memory on every rank); the
+        next backward outside reduce-scatters the accumulated sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        """Refused: a comm hook reduces whole buckets; here each rank receives only its shard."""
+        raise RuntimeError(
+            "FullyShardedDataParallel reduce-scatters gradients, so a DDP comm hook (which "
+            "all-reduces whole buckets) has nothing to act on; use the DDP wrapper "
+            "(zero_stage 0 or 1) for comm hooks"
+        )
+
+    def join(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: a joined rank cannot answer the gathers of units it would not run."""
+        raise RuntimeError(
+            "uneven inputs (torch's Join) are not supported under FullyShardedDataParallel: "
+            "every forward gathers parameters from every rank. Give every rank the same number "
+            "of batches (ddptrain.ShardedSampler), or use the DDP wrapper"
+        )
+
+    # ----------------------------------------------------------------------------- whole
+    @contextlib.contextmanager
+    def summon_full_params(self) -> Iterator[None]:
+        """Collective: inside, the module holds every whole parameter, to read (evaluation
+        on uneven per-rank shards, inspection); changes are not kept. Costs the model's size."""
+        self._require_between_steps("summon_full_params()")
+        for unit in self.units:
+            unit.gather()
+        for unit in self.units:
+            unit.wait()
+            unit.use_full()
+        self._summoned = True
+        try:
+            yield
+        finally:
+            self._summoned = False
+            for unit in self.units:
+                unit.free()
+
+    def state_dict(
+        self, *, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """Collective: the unwrapped module's state_dict, whole tensors (rank 0's buffers are
+        this rank's own), loadable into the plain module."""
+        self._require_between_steps("state_dict()")
+        full = state.full_state_dict(self)
+        if destination is None:
+            return full
+        destination.update({prefix + k: v for k, v in full.items()})
+        return destination
+
+    def load_state_dict(
+        self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False
+    ):
+        """Load a whole state (the plain module's, from any world size): each rank keeps its
+        pieces. Not collective."""
+        self._require_between_steps("load_state_dict()")
+        return state.load_full_state_dict(self, state_dict, strict)
+
+    def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Collective: `optimizer`'s state (built on this wrapper's parameters) in the layout
+        of the same optimizer over the plain module: loads at any world size, or into it."""
+        return state.full_optim_state_dict(self, optimizer)
+
+    def load_optim_state_dict(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> None:
+        """Load a plain-layout optimizer state into `optimizer`: each rank keeps its pieces."""
+        state.load_full_optim_state_dict(self, optimizer, state_dict)
+
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """Collective: the norm of the whole gradient, from every rank's shards."""
+        return state.whole_grad_norm(self, norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Collective: scale every shard's gradient so the whole gradient's norm is at most
+        max_norm; returns the norm before clipping."""
+        total = self.grad_norm(norm_type)
+        shards = [s for u in self.units for s in u.shards if s.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(shards, max_norm, total)
+        return total
+
+    def _require_between_steps(self, what: str) -> None:
+        if not self._pass.done:
+            raise RuntimeError(
+                f"{what} runs between steps under FullyShardedDataParallel, not between a "
+                "forward and its backward"
+            )
+
+    # ----------------------------------------------------------------------------- facts
+    @property
+    def unit_names(self) -> list[str]:
+        """Each unit's module name in the wrapped module ("" for the module itself)."""
+        names = {id(m): n for n, m in self.module.named_modules()}
+        return [names[id(u.module)] for u in self.units]
+
+    @property
+    def bucket_sizes_bytes(self) -> list[int]:
+        """Gradient bytes of each unit: what one reduce-scatter carries."""
+        return [u.numel * u.dtype.itemsize for u in self.units]
+
+    def close(self) -> None:
+        """Release the wrapper's process groups (ddptrain.shutdown() calls it)."""
+        release_group(self._gather_group)
+        release_group(self._reduce_group)
+        self._gather_group = self._reduce_group = None
+
+
+FSDP = FullyShardedDataParallel

@@ -1,0 +1,513 @@
+"""FullyShardedDataParallel (ZeRO-2 and ZeRO-3) against ddptrain's DDP wrapper, torch's
+fully_shard and the exact mean, with the same optimizer over many steps.
+
+One spawned world per world size runs every case of this module; the tests read their case's
+results from it.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ddptrain.ddp.wrapper import DistributedDataParallel
+from ddptrain.fsdp.unit import in_memory_order
+from ddptrain.fsdp.wrapper import FullyShardedDataParallel
+from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
+from support import toy_models, worlds
+
+pytestmark = pytest.mark.timeout(worlds.WORLD_TIMEOUT_S + 60)
+
+STEPS = 12
+MICRO_STEPS = 3
+EPS32 = torch.finfo(torch.float32).eps
+# ws = 3, one backward from identical weights: both wrappers scale each rank's float32 gradient
+# by 1/3 (the same rounding) and sum 3 terms (2 roundings) in an order of their own, so each
+# is within 3/2 ulps of mean_r |g_r| of the exact mean (summation bound, u = EPS32 / 2), and
+# the two within 3 of each other. Counted in ulps of that magnitude, it holds on any CPU; a
+# missing rank or a wrong scale is off by ~1e7 ulps.
+WS3_ULPS = 3.0
+# ws = 3, STEPS SGD+momentum steps of the smooth tanh MLP: per-step differences of a few ulps
+# are carried by momentum (gain <= 10) and lr 0.05 into the weights and stay that size, as in
+# the DDP wrapper's own ws = 3 test (measured there 3e-8); 1e-5 is far above rounding and far
+# below a missed or doubled update (~lr x gradient, 1e-3).
+SMOOTH_ATOL = 1e-5
+
+
+# ---------------------------------------------------------------------------- models
+def _conv_last() -> nn.Module:
+    """LeNet without dropout, its 4-D weights in channels_last memory order."""
+    return toy_models.make("lenet_nodrop").to(memory_format=torch.channels_last)
+
+
+class _Wide(nn.Module):
+    """Three Linear layers of 832-4160 parameters, units of the size policy at 800, and a head
+    of 650 left to the root unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(12, 64), nn.Linear(64, 64), nn.Linear(64, 64)])
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return F.log_softmax(self.head(x), dim=1)
+
+
+# name -> (factory, data of toy_models.batch, units of the wrapped module (None: size policy))
+MODELS = {
+    "wide": (_Wide, "tanh", None),
+    "lenet": (lambda: toy_models.make("lenet_nodrop"), "lenet", lambda m: [m.conv2, m.fc1]),
+    "channels_last": (_conv_last, "lenet", lambda m: [m.conv1, m.conv2]),
+    "tied": (lambda: toy_models.make("tied"), "tied", lambda m: [m.embed, m.hidden, m.out]),
+    "frozen": (lambda: toy_models.make("frozen"), "frozen", lambda m: [m.frozen, m.fc1]),
+    # The branch (rank 1 only) stays in the root unit: every rank runs the same units.
+    "branch": (lambda: toy_models.make("branch"), "branch", lambda m: [m.trunk, m.never_used]),
+    "syncbn": (
+        lambda: convert_sync_batchnorm(toy_models.make("batchnorm")),
+        "batchnorm",
+        lambda m: [m.conv, m.fc],
+    ),
+}
+
+
+def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    """SGD with momentum or AdamW, weight decay on weights only (groups picked by name)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in named if not n.endswith("bias")]
+    rest = [p for n, p in named if n.endswith("bias")]
+    if kind == "sgd":
+        groups = [{"params": decay, "weight_decay": 1e-3}, {"params": rest, "weight_decay": 0.0}]
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "lr": 2e-3}]
+    return torch.optim.AdamW(groups, lr=1e-3)
+
+
+def _wrap(name: str, base: nn.Module, stage: int, rank: int) -> nn.Module:
+    module = copy.deepcopy(base)
+    if stage == 0:
+        return DistributedDataParallel(module)
+    units = MODELS[name][2]
+    return FullyShardedDataParallel(
+        module,
+        units=units(module) if units else None,
+        unit_min_numel=800,
+        reshard_after_forward=stage == 3,
+    )
+
+
+def _backward(model: nn.Module, name: str, step: int, rank: int, micro: int) -> None:
+    data = MODELS[name][1]
+    for m in range(micro):
+        x, y = toy_models.batch(data, step * micro + m, rank)
+        with nullcontext() if m == micro - 1 else model.no_sync():
+            (toy_models.loss_of(data, model, x, y, rank) / micro).backward()
+
+
+def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, by name (collective for the sharded wrapper)."""
+    if isinstance(model, FullyShardedDataParallel):
+        state = model.state_dict()
+    else:
+        state = model.module.state_dict()
+    names = {n for n, _ in (model.module.named_parameters())}
+    return {k: v for k, v in state.items() if k in names}
+
+
+def _state_diff(a: dict, b: dict) -> float:
+    """Largest difference between two optimizer state_dicts; inf if their layouts differ."""
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return float("inf")
+    worst = 0.0
+    for index, entry in a["state"].items():
+        other = b["state"][index]
+        if entry.keys() != other.keys():
+            return float("inf")
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                if value.shape != other[key].shape or _layout(value) != _layout(other[key]):
+                    return float("inf")
+                if value.numel():
+                    worst = max(worst, (value.double() - other[key].double()).abs().max().item())
+            elif value != other[key]:
+                return float("inf")
+    return worst
+
+
+def _layout(t: torch.Tensor) -> list[int]:
+    """The strides of t's dimensions of size > 1: its memory layout (a size-1 dimension's
+    stride is arbitrary)."""
+    return [s for s, n in zip(t.stride(), t.shape, strict=True) if n > 1]
+
+
+# ---------------------------------------------------------------------------- cases
+def _train_against_ddp(name: str, kind: str, stage: int, rank: int, micro: int = 1) -> dict:
+    """STEPS steps of the DDP wrapper and of the sharded one from rank 0's weights: whether
+    every step's parameters, which gradients are None, and the final optimizer state agree."""
+    torch.manual_seed(1234 + rank)  # different weights per rank: both take rank 0's
+    base = MODELS[name][0]()
+    ddp, sharded = _wrap(name, base, 0, rank), _wrap(name, base, stage, rank)
+    opts = {id(m): _optimizer(kind, m) for m in (ddp, sharded)}
+    steps_equal, max_diff, none_equal = [], 0.0, []
+    for step in range(STEPS):
+        nones = []
+        for model in (ddp, sharded):
+            opts[id(model)].zero_grad(set_to_none=True)
+            _backward(model, name, step, rank, micro)
+            nones.append([n for n, p in model.module.named_parameters() if p.grad is None])
+            opts[id(model)].step()
+        none_equal.append(nones[0] == nones[1])
+        a, b = _whole(ddp), _whole(sharded)
+        steps_equal.append(all(torch.equal(a[k], b[k]) for k in a))
+        max_diff = max(max_diff, max((a[k] - b[k]).abs().max().item() for k in a))
+    plain_state = opts[id(ddp)].state_dict()
+    sharded_state = sharded.optim_state_dict(opts[id(sharded)])
+    return {
+        "steps_equal": steps_equal,
+        "max_diff": max_diff,
+        "none_equal": none_equal,
+        "nones": nones,
+        "state_diff": _state_diff(plain_state, sharded_state),
+    }
+
+
+EQUALITY = [
+    ("wide", "sgd", 3),
+    ("wide", "adamw", 3),
+    ("wide", "adamw", 2),
+    ("lenet", "adamw", 3),
+    ("channels_last", "sgd", 3),
+    ("tied", "adamw", 3),
+    ("frozen", "sgd", 2),
+    ("branch", "sgd", 3),
+    ("syncbn", "sgd", 3),
+]
+
+
+def _case_equal_to_ddp(info) -> dict:
+    return {f"{n}-{k}-{s}": _train_against_ddp(n, k, s, info.rank) for n, k, s in EQUALITY}
+
+
+def _case_accumulation(info) -> dict:
+    return {
+        f"{s}": _train_against_ddp("wide", "adamw", s, info.rank, micro=MICRO_STEPS) for s in (2, 3)
+    }
+
+
+def _case_fully_shard(info) -> dict:
+    """torch's fully_shard on each Linear and the root, AdamW, against ours (ZeRO-3)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1234)  # fully_shard does not broadcast: the same weights everywhere
+    base = _Wide()
+    theirs = copy.deepcopy(base)
+    for layer in [*theirs.layers, theirs.head]:
+        fully_shard(layer)
+    fully_shard(theirs)
+    ours = _wrap("wide", base, 3, info.rank)
+    opts = {id(m): _optimizer("adamw", m) for m in (ours, theirs)}
+    steps_equal, max_diff = [], 0.0
+    for step in range(STEPS):
+        for model in (ours, theirs):
+            opts[id(model)].zero_grad(set_to_none=True)
+            x, y = toy_models.batch("tanh", step, info.rank)
+            F.nll_loss(model(x), y).backward()
+            opts[id(model)].step()
+        a = _whole(ours)
+        b = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+        steps_equal.append(all(torch.equal(a[k], b[k]) for k in a))
+        max_diff = max(max_diff, max((a[k] - b[k]).abs().max().item() for k in a))
+    return {"steps_equal": steps_equal, "max_diff": max_diff}
+
+
+def _case_one_step_ws3(info) -> dict:
+    """One backward from identical weights: each shard's gradient vs the DDP wrapper's and the
+    float64 mean of every rank's local gradient, in ulps of mean_r |g_r|."""
+    torch.manual_seed(1234)
+    out = {}
+    for name in ("wide", "lenet", "tied", "channels_last"):
+        base = MODELS[name][0]()
+        ddp, ours = _wrap(name, base, 0, info.rank), _wrap(name, base, 3, info.rank)
+        plain = copy.deepcopy(base)
+        for model in (ddp, ours, plain):
+            x, y = toy_models.batch(MODELS[name][1], 0, info.rank)
+            toy_models.loss_of(MODELS[name][1], model, x, y, info.rank).backward()
+        local = {n: p.grad for n, p in plain.named_parameters()}
+        ddp_grads = {n: p.grad for n, p in ddp.module.named_parameters()}
+        worst = {"exact": 0.0, "ddp": 0.0}
+        for unit in ours.units:
+            for j, shard in enumerate(unit.shards):
+                n, (_, a, b, _) = unit.names[j], unit.pieces[j]
+                mine = in_memory_order(local[n], unit.strides[j]).double()
+                everyone = [torch.empty_like(mine) for _ in range(info.world_size)]
+                dist.all_gather(everyone, mine)
+                stacked = torch.stack(everyone)[:, a:b]
+                scale = EPS32 * stacked.abs().mean(0)
+                theirs = in_memory_order(ddp_grads[n], unit.strides[j])[a:b].double()
+                for key, other in (("exact", stacked.mean(0)), ("ddp", theirs)):
+                    diff = (shard.grad.double() - other).abs()
+                    assert bool((diff[scale == 0] == 0).all()), (name, n)
+                    if (scale > 0).any():
+                        ulps = (diff[scale > 0] / scale[scale > 0]).max().item()
+                        worst[key] = max(worst[key], ulps)
+        out[name] = worst
+    return out
+
+
+def _case_smooth_ws3(info) -> dict:
+    """STEPS steps of the tanh MLP: the sharded wrapper against the DDP wrapper."""
+    torch.manual_seed(7)
+    base = toy_models.make("tanh")
+    models = {
+        "ddp": DistributedDataParallel(copy.deepcopy(base)),
+        "ours": FullyShardedDataParallel(copy.deepcopy(base), units=[nn.Linear]),
+    }
+    for model in models.values():
+        opt = toy_models.sgd(model)
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = toy_models.batch("tanh", step, info.rank)
+            F.nll_loss(model(x), y).backward()
+            opt.step()
+    a, b = _whole(models["ddp"]), _whole(models["ours"])
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _case_memory(info) -> dict:
+    """Elements each rank holds as parameters and as AdamW state, against the model's."""
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(_Wide(), unit_min_numel=800)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = toy_models.batch("tanh", 0, info.rank)
+    F.nll_loss(model(x), y).backward()
+    opt.step()
+    state = [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "state": sum(v.numel() for v in state),
+        "total": sum(p.numel() for p in _Wide().parameters()),
+        "units": model.unit_names,
+    }
+
+
+# ---------------------------------------------------------------------------- states and errors
+def _case_states_at_any_size(info) -> dict:
+    """A plain model's state and a plain AdamW's (two local steps: every rank the same) load at
+    this world size and come back bitwise from state_dict() and optim_state_dict(); the
+    channels_last LeNet keeps its strides."""
+    out = {}
+    for name in ("wide", "channels_last", "tied"):
+        torch.manual_seed(5)
+        plain = MODELS[name][0]()
+        opt = _optimizer("adamw", plain)
+        for step in range(2):
+            x, y = toy_models.batch(MODELS[name][1], step, 0)
+            opt.zero_grad()
+            toy_models.loss_of(MODELS[name][1], plain, x, y, 0).backward()
+            opt.step()
+        torch.manual_seed(6 + info.rank)  # other weights: loading must replace them
+        ours = _wrap(name, MODELS[name][0](), 3, info.rank)
+        ours_opt = _optimizer("adamw", ours)
+        ours.load_state_dict(plain.state_dict())
+        ours.load_optim_state_dict(ours_opt, opt.state_dict())
+        back, back_opt = ours.state_dict(), ours.optim_state_dict(ours_opt)
+        plain_state = plain.state_dict()
+        out[name] = {
+            "model": back.keys() == plain_state.keys()
+            and all(torch.equal(back[k], v) for k, v in plain_state.items())
+            and all(_layout(back[k]) == _layout(v) for k, v in plain_state.items()),
+            "optimizer": _state_diff(back_opt, opt.state_dict()),
+        }
+    return out
+
+
+def _message(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except (RuntimeError, ValueError) as e:
+        return str(e)
+    return None
+
+
+def _case_errors(info) -> dict:
+    """Each misuse's message (on every rank alike: no hang)."""
+    torch.manual_seed(0)
+    out = {}
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model = FullyShardedDataParallel(net, units=[net[0], net[1]])
+    x = torch.randn(2, 4)
+    out["comm_hook"] = _message(lambda: model.register_comm_hook(None, None))
+    out["join"] = _message(lambda: model.join())
+    out["module_directly"] = _message(lambda: model.module(x))
+    loss = model(x).sum()
+    out["state_dict_mid_step"] = _message(lambda: model.state_dict())
+    loss.backward(retain_graph=True)
+    out["backward_twice"] = _message(lambda: loss.backward())
+
+    class Twice(nn.Module):
+        """A unit called twice in one forward."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer, self.other = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.other(self.layer(self.layer(t)))
+
+    twice = Twice()
+    out["unit_twice"] = _message(FullyShardedDataParallel(twice, units=[twice.layer]).__call__, x)
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).double())
+    out["mixed_dtypes"] = _message(lambda: FullyShardedDataParallel(mixed))
+    out["foreign_optimizer"] = _message(
+        lambda: model.optim_state_dict(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    )
+    out["wrong_shape"] = _message(
+        lambda: model.load_state_dict({**model.state_dict(), "0.weight": torch.zeros(5, 4)})
+    )
+
+    class Swapped(nn.Module):
+        """Two equal layers run in an order that depends on the rank: their gathers pair wrongly."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            first, second = (self.a, self.b) if info.rank == 0 else (self.b, self.a)
+            return second(first(t))
+
+    swapped = Swapped()
+    order = FullyShardedDataParallel(swapped, units=[swapped.a, swapped.b])
+    out["order"] = _message(lambda: order(x))
+    return out
+
+
+CASES = {
+    "equal_to_ddp": _case_equal_to_ddp,
+    "accumulation": _case_accumulation,
+    "fully_shard": _case_fully_shard,
+    "one_step_ws3": _case_one_step_ws3,
+    "smooth_ws3": _case_smooth_ws3,
+    "memory": _case_memory,
+    "states": _case_states_at_any_size,
+    "errors": _case_errors,
+}
+world = worlds.fixture(
+    CASES,
+    {
+        1: ["equal_to_ddp"],
+        2: ["equal_to_ddp", "accumulation", "fully_shard", "memory", "states", "errors"],
+        3: ["one_step_ws3", "smooth_ws3", "memory", "states"],
+    },
+)
+
+
+# ---------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("case", [f"{n}-{k}-{s}" for n, k, s in EQUALITY])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_bitwise_equal_to_the_ddp_wrapper_every_step(world, world_size, case):
+    """At ws <= 2, after every one of 12 steps the whole parameters equal the DDP wrapper's with
+    the same optimizer bitwise; the same gradients are None; the final optimizer state, in the
+    plain optimizer's layout, is equal."""
+    for rank, r in enumerate(worlds.outcome(world(world_size), "equal_to_ddp")):
+        d = r[case]
+        print(f"{case} ws={world_size} rank={rank}: max|diff|={d['max_diff']:.3g}")
+        assert all(d["steps_equal"]), (rank, d["steps_equal"], d["max_diff"])
+        assert all(d["none_equal"]), (rank, d["nones"])
+        assert d["state_diff"] == 0.0, (rank, d["state_diff"])
+
+
+def test_unused_and_frozen_parameters_keep_grad_none(world):
+    """A layer no rank uses and a frozen one have grad None; the branch only rank 1 takes does
+    get a gradient on both ranks (its mean)."""
+    for r in worlds.outcome(world(2), "equal_to_ddp"):
+        assert r["branch-sgd-3"]["nones"][1] == ["never_used.weight", "never_used.bias"]
+        assert r["frozen-sgd-2"]["nones"][1] == ["frozen.weight", "frozen.bias"]
+
+
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_gradient_accumulation_under_no_sync_is_bitwise_equal_to_ddp(world, stage):
+    """Three micro-batches (two under no_sync) per step, 12 AdamW steps: bitwise equal."""
+    for rank, r in enumerate(worlds.outcome(world(2), "accumulation")):
+        assert all(r[stage]["steps_equal"]), (rank, r[stage]["max_diff"])
+        assert r[stage]["state_diff"] == 0.0
+
+
+def test_equal_to_torch_fully_shard(world):
+    """torch's fully_shard (each Linear and the root) and ours (ZeRO-3) with AdamW: the whole
+    parameters after each of 12 steps are bitwise equal at ws=2."""
+    for rank, r in enumerate(worlds.outcome(world(2), "fully_shard")):
+        print(f"vs fully_shard rank={rank}: max|diff|={r['max_diff']:.3g}")
+        assert all(r["steps_equal"]), (rank, r["steps_equal"], r["max_diff"])
+
+
+def test_one_step_gradients_at_ws3_within_rounding_of_the_mean_and_ddp(world):
+    """At ws=3 each shard's gradient is within WS3_ULPS ulps of mean_r|g_r| of the exact mean
+    and of the DDP wrapper's."""
+    for rank, r in enumerate(worlds.outcome(world(3), "one_step_ws3")):
+        for name, worst in r.items():
+            exact, ddp = worst["exact"], worst["ddp"]
+            print(f"ws=3 rank={rank} {name}: ulps vs the exact mean {exact:.2f}, vs ddp {ddp:.2f}")
+            assert worst["exact"] <= WS3_ULPS / 2 and worst["ddp"] <= WS3_ULPS, (name, worst)
+
+
+def test_smooth_model_at_ws3_stays_within_rounding_of_ddp(world):
+    """12 SGD steps of the tanh MLP at ws=3 end within SMOOTH_ATOL of the DDP wrapper."""
+    for rank, diff in enumerate(worlds.outcome(world(3), "smooth_ws3")):
+        print(f"ws=3 rank={rank}: max|ours - ddp| = {diff:.3g}")
+        assert diff <= SMOOTH_ATOL
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_each_rank_holds_its_share_of_parameters_and_state(world, world_size):
+    """Parameters and AdamW state per rank are total / world_size, plus at most 64 elements of
+    alignment per parameter and unit; the size policy made the three layers units."""
+    results = worlds.outcome(world(world_size), "memory")
+    total = results[0]["total"]
+    for r in results:
+        assert r["units"] == ["", "layers.0", "layers.1", "layers.2"]
+        slack = 64 * (8 + 4)  # per parameter and per unit
+        assert abs(r["params"] - total / world_size) <= slack, r
+        assert r["state"] == 2 * r["params"], r
+    assert sum(r["params"] for r in results) == total
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_plain_states_load_at_any_world_size_and_come_back_bitwise(world, world_size):
+    """A plain module's state_dict and a plain AdamW's load into the sharded wrapper and its
+    optimizer at ws 2 and 3; state_dict() and optim_state_dict() give them back bitwise, in
+    the plain layouts (channels_last strides, the tied weight under both names)."""
+    for rank, r in enumerate(worlds.outcome(world(world_size), "states")):
+        for name, d in r.items():
+            assert d["model"] and d["optimizer"] == 0.0, (rank, name, d)
+
+
+ERRORS = {
+    "comm_hook": "reduce-scatters gradients, so a DDP comm hook",
+    "join": "uneven inputs (torch's Join) are not supported",
+    "module_directly": "outside the wrapper's forward",
+    "state_dict_mid_step": "state_dict() runs between steps",
+    "backward_twice": "backward was called twice on one forward",
+    "unit_twice": "ran twice in one forward",
+    "mixed_dtypes": "holds parameters of several dtypes",
+    "foreign_optimizer": "is not one of this wrapper's parameters",
+    "wrong_shape": "size mismatch for parameter '0.weight'",
+    "order": "ranks ran different units in their first forward",
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_misuse_is_a_clear_error_on_every_rank(world, case):
+    """Comm hooks, join, the module called directly, a state_dict between forward and
+    backward, a second backward, a unit run twice, mixed dtypes in a unit, a foreign optimizer,
+    a wrong shape and ranks running units in different orders each raise, naming the fix, on
+    every rank (no hang)."""
+    messages = [r[case] for r in worlds.outcome(world(2), "errors")]
+    assert all(m is not None and ERRORS[case] in m for m in messages), messages
