@@ -298,6 +298,7 @@ def test_srun_ddp_job_equals_spawned_ranks(slurm_cluster, reference, workdir):
     _assert_bitwise_equal(result["params"], reference["job"]["params"])
 
 
+@pytest.mark.slow
 def test_sbatch_recipe_equals_spawned_ranks(slurm_cluster, reference, workdir):
     """sbatch recipes/mnist.sbatch (srun inside) trains the recipe bitwise like spawned ranks."""
     ckpt = workdir / "sbatch-ckpt"
@@ -330,6 +331,7 @@ def _job_state(job_id: str, env: dict[str, str]) -> dict[str, str]:
     return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
 
+@pytest.mark.slow
 def test_sbatch_requeues_a_signalled_job_that_resumes_where_it_stopped(
     slurm_cluster, workdir, tmp_path
 ):

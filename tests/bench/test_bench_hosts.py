@@ -97,6 +97,7 @@ def _ours(pid: int) -> list[str]:
     return [name for name in namespaces() if name.startswith("ddpb-") and name.endswith(f"-{pid}")]
 
 
+@pytest.mark.slow
 def test_two_hosts_reduce_over_tcp_and_leave_no_namespace(root_and_netns, tmp_path):
     """--two-hosts --quick: one rank in each of two namespaces, a JSON whose settings say the
     wrapper's buckets went over direct TCP (not shared memory); the namespaces are gone after."""
@@ -131,7 +132,7 @@ def test_two_hosts_reduce_over_tcp_and_leave_no_namespace(root_and_netns, tmp_pa
 def test_two_hosts_over_a_shaped_link_record_the_shaping_and_its_measure(root_and_netns, tmp_path):
     """--link 100mbit: tbf on both veth ends, a probe no faster than the rate allows (its
     76 KiB burst adds at most 1.6% to the probe's 5 MB; a loaded machine is only slower), and
-    the compression variants timed across the two hosts."""
+    the compression variants timed across the two hosts; the namespaces are gone after."""
     argv = ["--two-hosts", "--link", "100mbit", "--quick", "--out", str(tmp_path)]
     try:
         result = bench_hosts.main([*argv, "--timeout-s", "150"])
@@ -146,6 +147,8 @@ def test_two_hosts_over_a_shaped_link_record_the_shaping_and_its_measure(root_an
     variants = result["models"]["lenet"]["variants"]
     assert {"ddptrain_powersgd", "ddptrain_torch-powersgd", "torch_ddp_powersgd"} <= set(variants)
     assert result["settings"]["bucket_transport"] == "tcp"
+    hosts = {h["netns"] for h in result["settings"]["two_hosts"]["hosts"]}
+    assert not set(namespaces()) & hosts and not _ours(os.getpid())
     pytest.importorskip("matplotlib")
     assert (tmp_path / "bench.png").stat().st_size > 10_000
 
@@ -161,6 +164,7 @@ def test_link_flag_sets_the_slow_link_defaults_which_given_flags_override():
         bench_hosts.parse_args(["--two-hosts", "--link", "fast"])
 
 
+@pytest.mark.slow
 def test_two_hosts_timeout_kills_the_launchers_and_deletes_the_namespaces(root_and_netns, tmp_path):
     """A run past --timeout-s raises RunFailed naming the timeout; no namespace, no process of
     it (launchers, ranks) and no file in --out is left."""

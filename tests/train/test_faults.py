@@ -82,7 +82,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[flo
     return [exit_times[i] for i in range(len(procs))], [p.stdout.read() for p in procs]
 
 
-@pytest.mark.parametrize("hook", ["default", "tcp"])
+@pytest.mark.parametrize("hook", ["default", pytest.param("tcp", marks=pytest.mark.slow)])
 def test_survivors_exit_fast_naming_a_killed_rank(tmp_path, hook):
     """SIGKILL of rank 2 mid-epoch: ranks 0 and 1 exit non-zero long before a timeout, naming 2
     (shared memory, the default on one host, and the TCP ring, the default across hosts)."""
@@ -100,7 +100,7 @@ def test_survivors_exit_fast_naming_a_killed_rank(tmp_path, hook):
         assert seconds < DETECTED_WITHIN_S
 
 
-@pytest.mark.parametrize("hook", ["default", "allreduce"])
+@pytest.mark.parametrize("hook", ["default", pytest.param("allreduce", marks=pytest.mark.slow)])
 def test_a_rank_leaving_with_an_error_is_named_by_the_others(tmp_path, hook):
     """Rank 1 raises mid-run: rank 0, blocked on it (at a shared-memory barrier or in gloo),
     stops at once with PeerFailedError naming rank 1's error, not a backend traceback."""
@@ -221,6 +221,7 @@ def _torchrun(args: list[str], tmp_path: Path, restarts: int) -> subprocess.Comp
     )
 
 
+@pytest.mark.slow
 def test_torchrun_restart_resumes_to_bitwise_equal_parameters(tmp_path):
     """torchrun --max-restarts=1: a SIGKILLed rank restarts, resumes, ends bitwise equal."""
     straight = _torchrun(["--ckpt-dir", "a", "--out", "a.pt"], tmp_path, restarts=0)
