@@ -44,6 +44,7 @@ def test_recipe_quick_run_reports_three_variants_and_their_ratios(tmp_path):
     assert all("step_ends" not in r for row in rows.values() for r in row["per_rank"][0])
 
 
+@pytest.mark.slow
 def test_recipe_bench_trains_the_mlp_in_every_variant_when_asked(tmp_path):
     """--recipe-args "--model mlp": the standard stack and the floor train the MLP too."""
     args = ["--recipe", "--quick", "--out", str(tmp_path), "--no-plot", "--steps", "2"]
