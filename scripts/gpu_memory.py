@@ -93,11 +93,13 @@ def _child(queue: mp.Queue, *args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--width", type=int, default=4096)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument(
+        "--world-size", type=int, default=4, help="the simulated world (default: %(default)s)"
+    )
+    p.add_argument("--width", type=int, default=4096, help="hidden width (default: %(default)s)")
+    p.add_argument("--depth", type=int, default=4, help="hidden layers (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=3, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="default: %(default)s")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
     ctx = mp.get_context("spawn")
