@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from ddptrain.compress.powersgd import PowerSGDState, powersgd_hook
 from ddptrain.ddp.buckets import MB
-from ddptrain.ddp.powersgd import PowerSGDState, powersgd_hook
 from ddptrain.ddp.wrapper import DistributedDataParallel
 
 # --extras name -> the variant's name in the results.

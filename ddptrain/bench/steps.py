@@ -3,13 +3,10 @@
     python -m ddptrain.bench                        # world size 2, three models, a few minutes
     python -m ddptrain.bench --quick                # smoke run (seconds)
     python -m ddptrain.bench --models mlp --steps 60 --extras bf16,fp16,ring
-    python -m ddptrain.bench --world-size 3 --out bench-results/ws3
     python -m ddptrain.bench --models mlp,lenet --extras adamw,zero,zero-sgd   # ZeRO stage 1
     python -m ddptrain.bench --models mlp,deep-mlp --extras zero2,zero3,torch_fsdp  # stages 2, 3
     python -m ddptrain.bench --models mlp --extras gloo --ladder   # docs/walkthrough.md's steps
-    python -m ddptrain.bench --models lenet-recipe --extras none --sync-only   # cost of a sync
     torchrun --nproc_per_node=2 -m ddptrain.bench --quick   # ranks from a launcher, any hosts
-    python -m ddptrain.bench --two-hosts --quick    # two network namespaces (bench/hosts.py)
     python -m ddptrain.bench --models mlp --extras powersgd,torch-powersgd   # bench/compression.py
 
 All variants live in the same processes and take turns (the order rotates every round), so
@@ -17,8 +14,7 @@ machine noise hits them alike. Each turn is a block of --block steps run back to
 training, after one barrier; a step is zero_grad, forward, backward, SGD step; its time is
 the block's (slowest rank's) / block, and the table shows medians. "exposed comm" is step
 time minus the compute-only floor ("local": the same step with no communication); "comm alone"
-is the wrapper's bucket reductions with no compute, so hidden = 1 - exposed / comm alone.
-Writes <out>/bench.json, and <out>/bench.png when matplotlib is installed (extra "plot").
+is the wrapper's bucket reductions with no compute. Writes <out>/bench.json (and bench.png).
 
 Started by a launcher (torchrun, srun, mpirun: launcher variables set), every process is one
 rank and rank 0 writes the results; --world-size is then the launcher's. Otherwise the bench

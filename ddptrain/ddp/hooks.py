@@ -207,7 +207,9 @@ class Cast(Transport):
 def make_transport(name: str, process_group: Any = None) -> Transport:
     """Collective: the transport called `name` (one of NAMES), built on every rank."""
     if name not in NAMES:
-        raise ValueError(f"unknown comm hook {name!r}; choose one of default, {', '.join(NAMES)}")
+        raise ValueError(
+            f"unknown comm hook {name!r}; choose one of default, {', '.join(NAMES)}, powersgd"
+        )
     if name in ("bf16", "fp16"):
         base, wire = "default", name
     elif name.endswith(("-bf16", "-fp16")):
@@ -225,6 +227,27 @@ def make_transport(name: str, process_group: Any = None) -> Transport:
     if not wire:
         return inner
     return Cast(torch.bfloat16 if wire == "bf16" else torch.float16, inner)
+
+
+def named_hook(
+    name: str, process_group: Any = None, on_cpu: bool = True
+) -> tuple[object, CommHook]:
+    """Collective: the (state, hook) pair `name` stands for: "default", a transport of NAMES, or
+    "powersgd" (ddptrain.compress: rank 4 from step 100)."""
+    if name == "powersgd":
+        # The one link from the core to the compressing hooks.
+        from ddptrain.compress import powersgd
+
+        state = powersgd.PowerSGDState(
+            process_group,
+            matrix_rank=powersgd.NAMED_RANK,
+            start_step=powersgd.NAMED_START_STEP,
+            on_cpu=on_cpu,
+        )
+        return state, powersgd.powersgd_hook
+    if name == "default":
+        return default_transport(process_group, on_cpu), transport_hook
+    return make_transport(name, process_group), transport_hook
 
 
 def default_transport(process_group: Any = None, on_cpu: bool = True) -> Transport:

@@ -11,7 +11,7 @@
     loss_fn(model(x2), y2).backward()                # reduces the accumulated sum
 
     model.register_comm_hook(state, hook)            # torch's hook protocol (ddp/hooks.py)
-    ddptrain.DDP(net, comm_hook="powersgd")          # compressed gradients (ddp/powersgd.py)
+    ddptrain.DDP(net, comm_hook="powersgd")          # compressed gradients (compress/powersgd.py)
     model.flag_next_sync(1)                          # rides the next reduction (no collective)
     model.synced_flag                                # ... its sum over ranks, after backward
     with Join([model, optimizer]): ...               # torch's Join: uneven inputs (ddp/join.py)
@@ -43,15 +43,13 @@ from ddptrain.ddp.hooks import (
     NAMES,
     CommHook,
     Transport,
-    default_transport,
-    make_transport,
     module_on_cpu,
+    named_hook,
     refuse_shared_group,
     transport_hook,
 )
 from ddptrain.ddp.join import JoinContext, WrapperJoinHook
 from ddptrain.ddp.linear_grads import LinearSlots, slot_params
-from ddptrain.ddp.powersgd import NAMED_RANK, NAMED_START_STEP, PowerSGDState, powersgd_hook
 from ddptrain.ddp.reducer import Reducer
 from ddptrain.ddp.replicas import broadcast_coalesced, coalesce, verify_same_model
 
@@ -175,18 +173,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         transport; "powersgd": ddptrain's PowerSGD at rank 4 from step 100)."""
         if isinstance(comm_hook, Transport):
             return comm_hook, transport_hook
-        if comm_hook is None or comm_hook == "default":
-            return default_transport(self.process_group, module_on_cpu(self.module)), transport_hook
-        if comm_hook == "powersgd":
-            state = PowerSGDState(
-                self.process_group,
-                matrix_rank=NAMED_RANK,
-                start_step=NAMED_START_STEP,
-                on_cpu=module_on_cpu(self.module),
-            )
-            return state, powersgd_hook
-        if isinstance(comm_hook, str):
-            return make_transport(comm_hook, self.process_group), transport_hook
+        if comm_hook is None or isinstance(comm_hook, str):
+            on_cpu = module_on_cpu(self.module)
+            return named_hook(comm_hook or "default", self.process_group, on_cpu)
         if isinstance(comm_hook, tuple) and len(comm_hook) == 2 and callable(comm_hook[1]):
             state, hook = comm_hook
             refuse_shared_group(self.module, state)

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from ddptrain.compress.powersgd import PowerSGDState, powersgd_hook
 from ddptrain.data import ShardedSampler
 from ddptrain.data.loader import batch_loader
 from ddptrain.ddp.buckets import DEFAULT_FIRST_BUCKET_CAP_MB
 from ddptrain.ddp.hooks import CommHook, module_on_cpu
-from ddptrain.ddp.powersgd import PowerSGDState, powersgd_hook
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import DistInfo
 from ddptrain.fsdp.wrapper import FullyShardedDataParallel

@@ -13,8 +13,8 @@ import signal
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ddptrain.compress.powersgd import NAMED_RANK, NAMED_START_STEP
 from ddptrain.ddp.hooks import NAMES
-from ddptrain.ddp.powersgd import NAMED_RANK, NAMED_START_STEP
 from ddptrain.train.log import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
 from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, signal_number
 
@@ -23,7 +23,7 @@ RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shu
 PRECISIONS = ("fp32", "bf16", "fp16")
 # "default" is the wrapper's own choice (shared memory for CPU ranks on one host, its own TCP
 # ring for CPU ranks across hosts, else the backend's all_reduce); the rest are the transports
-# named in ddptrain.ddp.hooks.NAMES; "powersgd" compresses them (ddptrain.ddp.powersgd).
+# named in ddptrain.ddp.hooks.NAMES; "powersgd" compresses them (ddptrain.compress.powersgd).
 COMM_HOOKS = ("default", *NAMES, "powersgd")
 NONFINITE_POLICIES = ("stop", "skip")
 # 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks;

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
+from ddptrain.compress import powersgd
+from ddptrain.compress.powersgd import PowerSGDState, powersgd_hook
 from ddptrain.cpu.tcp import Socket
-from ddptrain.ddp import powersgd
-from ddptrain.ddp.powersgd import PowerSGDState, powersgd_hook
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
 from ddptrain.train import build

@@ -97,15 +97,16 @@ class PowerSGDState:
         # Steps whose last bucket this hook has reduced (torch's `iter`).
         self.step = 0
         # One draw per bucket's first random Q, as torch's (same seed, same numbers).
-        self._rng = np.random.RandomState(random_seed)
-        self._plans: dict[int, _Plan] = {}
+        self.rng = np.random.RandomState(random_seed)
+        # Per bucket index, the hook's memory: its compression plan (views and buffers).
+        self.plans: dict[int, _Plan] = {}
         # Uncompressed phase: buckets staged where the transport places its buffers.
-        self._staging: dict[int, torch.Tensor] = {}
+        self.staging: dict[int, torch.Tensor] = {}
 
     def elements_per_step(self) -> tuple[int, int]:
         """(gradient elements, elements sent) per step over the buckets compressed so far."""
-        total = sum(plan.numel for plan in self._plans.values())
-        sent = sum(plan.send_p.numel() + plan.send_q.numel() for plan in self._plans.values())
+        total = sum(plan.numel for plan in self.plans.values())
+        sent = sum(plan.send_p.numel() + plan.send_q.numel() for plan in self.plans.values())
         return total, sent
 
     def close(self) -> None:
@@ -154,10 +155,10 @@ class _Plan:
 
 def _average(state: PowerSGDState, bucket: GradBucket) -> None:
     buffer = bucket.buffer()
-    staged = state._staging.get(bucket.index())
+    staged = state.staging.get(bucket.index())
     if staged is None or staged.numel() != buffer.numel():
         staged = state.transport.allocate(buffer.numel(), buffer.dtype, buffer.device)
-        state._staging[bucket.index()] = staged
+        state.staging[bucket.index()] = staged
     torch.div(buffer, state.world_size, out=staged)
     _sum(state, bucket, staged)
     buffer.copy_(staged)
@@ -169,11 +170,11 @@ def _sum(state: PowerSGDState, bucket: GradBucket, flat: torch.Tensor) -> None:
 
 def _plan_for(state: PowerSGDState, bucket: GradBucket) -> _Plan:
     buffer = bucket.buffer()
-    plan = state._plans.get(bucket.index())
+    plan = state.plans.get(bucket.index())
     if plan is not None and plan.buffer_ptr == buffer.data_ptr() and plan.numel == buffer.numel():
         return plan
     # The uncompressed phase is over: its staging buffers go.
-    state._staging.clear()
+    state.staging.clear()
     matrices, others = [], []
     for grad in bucket.gradients():
         matrix = _as_matrix(grad)
@@ -204,7 +205,7 @@ def _plan_for(state: PowerSGDState, bucket: GradBucket) -> _Plan:
         buffer.data_ptr(), buffer.numel(), other_numel, matrices, others, errors,
         send_p, send_q, pts, qts, last_qts,
     )  # fmt: skip
-    state._plans[bucket.index()] = plan
+    state.plans[bucket.index()] = plan
     return plan
 
 
@@ -289,7 +290,7 @@ def _outer(p: torch.Tensor, qt: torch.Tensor, out: torch.Tensor) -> None:
 def _draw(state: PowerSGDState, qts: list[torch.Tensor]) -> None:
     """Standard normal Qs, drawn as torch's hook draws them (so from the same seed, the same
     numbers), from a generator of their own: the global one is the training loop's."""
-    generator = torch.Generator().manual_seed(int(state._rng.randint(1_000_000_000)))
+    generator = torch.Generator().manual_seed(int(state.rng.randint(1_000_000_000)))
     for qt in qts:
         q = qt.t()
         q.copy_(torch.randn(q.shape, generator=generator, dtype=q.dtype))
