@@ -368,12 +368,15 @@ def test_sbatch_requeues_a_signalled_job_that_resumes_where_it_stopped(
         time.sleep(0.1)
     _run(["scancel", "--signal=USR1", "--batch", job_id], slurm_cluster, REPO)
     signalled = time.monotonic()
-    requeued_at = None
+    requeued_at, ended_since = None, None
     while (state := _job_state(job_id, slurm_cluster)).get("JobState") != "COMPLETED":
-        assert state.get("JobState") not in ("FAILED", "CANCELLED", "TIMEOUT"), (
-            state,
-            output.read_text(),
-        )
+        # The script's own exit (76) can show as FAILED for a moment before the requeue it
+        # asked for takes over (seen once in a loaded run): an end counts once it lasts 3 s.
+        if state.get("JobState") in ("FAILED", "CANCELLED", "TIMEOUT"):
+            ended_since = ended_since or time.monotonic()
+            assert time.monotonic() - ended_since < 3, (state, output.read_text())
+        else:
+            ended_since = None
         assert time.monotonic() < deadline, (state, output.read_text())
         if state.get("JobState") == "PENDING" and requeued_at is None:
             # Slurm holds a requeued job back for a while (BeginTime): start it now, as an
