@@ -332,13 +332,15 @@ def _job_state(job_id: str, env: dict[str, str]) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("signame", ["USR1", "TERM"])
 def test_sbatch_requeues_a_signalled_job_that_resumes_where_it_stopped(
-    slurm_cluster, workdir, tmp_path
+    slurm_cluster, workdir, tmp_path, signame
 ):
     """`scancel --signal=USR1 --batch` mid-run (what --signal=B:USR1@90 sends before the time
-    limit): the script passes it to the ranks, which save the step they are at and exit 76; the
-    script requeues the job, whose second start resumes from that step and finishes with the
-    model of a run never stopped, bit for bit: no step lost, none trained twice."""
+    limit; TERM: what preemption sends): the script passes it to the ranks, which save the step
+    they are at and exit 76; the script requeues the job, whose second start resumes from that
+    step and finishes with the model of a run never stopped, bit for bit: no step lost, none
+    trained twice."""
     steps = 300  # 15 epochs of 20 steps: seconds, so the signal lands mid-run
     args = [
         *("--data-dir", str(workdir / "data"), "--no-progress", "--global-batch-size", "32"),
@@ -366,7 +368,7 @@ def test_sbatch_requeues_a_signalled_job_that_resumes_where_it_stopped(
     while not (ckpt / "ckpt-00000020.pt").is_file():
         assert time.monotonic() < deadline, output.read_text() if output.exists() else job_id
         time.sleep(0.1)
-    _run(["scancel", "--signal=USR1", "--batch", job_id], slurm_cluster, REPO)
+    _run(["scancel", f"--signal={signame}", "--batch", job_id], slurm_cluster, REPO)
     signalled = time.monotonic()
     requeued_at, ended_since = None, None
     while (state := _job_state(job_id, slurm_cluster)).get("JobState") != "COMPLETED":
@@ -385,14 +387,14 @@ def test_sbatch_requeues_a_signalled_job_that_resumes_where_it_stopped(
             _run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], slurm_cluster, REPO)
         time.sleep(0.5)
     text = output.read_text()
-    shown = ("ddptrain: job", "ddptrain: stopped", "ddptrain: USR1", "resum", "FINAL")
+    shown = ("ddptrain: job", "ddptrain: stopped", f"ddptrain: {signame}", "resum", "FINAL")
     print("\n".join(line for line in text.splitlines() if line.startswith(shown)))
-    stopped = re.search(r"stopped at step (\d+) on SIGUSR1 \(ranks 0, 1\)", text)
+    stopped = re.search(rf"stopped at step (\d+) on SIG{signame} \(ranks 0, 1\)", text)
     assert stopped, text
     step = int(stopped.group(1))
     print(
-        f"requeue: stopped at step {step} of {steps}, pending again {requeued_at:.1f} s and "
-        f"done {time.monotonic() - signalled:.1f} s after the signal"
+        f"requeue on {signame}: stopped at step {step} of {steps}, pending again "
+        f"{requeued_at:.1f} s and done {time.monotonic() - signalled:.1f} s after the signal"
     )
     assert 20 <= step < steps and state.get("Restarts") == "1", (state, text)
     assert "requeueing it" in text and f"(step {step})" in text.split("requeueing it")[1], text

@@ -344,6 +344,7 @@ def _resumes_bitwise(tmp_path: Path, name: str) -> bool:
     [
         # torchrun forwards SIGTERM by default (the elastic test meets it too): the same path.
         pytest.param(signal.SIGTERM, [], marks=pytest.mark.slow, id="SIGTERM"),
+        pytest.param(signal.SIGINT, [], marks=pytest.mark.slow, id="SIGINT"),
         pytest.param(
             signal.SIGUSR1,
             ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"],
@@ -354,9 +355,9 @@ def _resumes_bitwise(tmp_path: Path, name: str) -> bool:
 def test_a_signal_to_torchrun_saves_the_last_step_and_the_rerun_is_bitwise(
     tmp_path, number, torchrun_flags
 ):
-    """torchrun forwards SIGTERM (and SIGUSR1 when told to): the workers save the step they
-    are at, no step after the checkpoint was trained, they exit with 76 long before torchrun's
-    30-s SIGKILL; started again, the run ends bitwise equal to a run never stopped."""
+    """torchrun forwards SIGTERM and SIGINT (and SIGUSR1 when told to): the workers save the
+    step they are at, no step after the checkpoint was trained, they exit with 76 long before
+    torchrun's 30-s SIGKILL; started again, the run ends bitwise equal to a run never stopped."""
     proc, out, seconds = _signal_mid_run(tmp_path, "b", number, torchrun_flags)
     saved = ckpt.latest_checkpoint(tmp_path / "b-ckpt")
     assert saved is not None, out
