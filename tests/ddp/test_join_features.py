@@ -36,13 +36,13 @@ SBN_CASES = [
 # summing each rank's round mean: float32 sums in another order, 1e-6 (as SBN_ATOL).
 ROUND_CASES = {
     2: [
-        ("3/8 round 2", [3, 8], 2, True, [0]),
-        ("5/8 round 3", [5, 8], 3, False, [0]),
-        ("7/4 round 2", [7, 4], 2, True, []),
+        ("3/8 accumulating 2", [3, 8], 2, True, [0]),
+        ("5/8 accumulating 3", [5, 8], 3, False, [0]),
+        ("7/4 accumulating 2", [7, 4], 2, True, []),
     ],
     3: [
-        ("5/3/8 round 2", [5, 3, 8], 2, True, [0, 1]),
-        ("4/5/6 round 3", [4, 5, 6], 3, False, [0, 1]),
+        ("5/3/8 accumulating 2", [5, 3, 8], 2, True, [0, 1]),
+        ("4/5/6 accumulating 3", [4, 5, 6], 3, False, [0, 1]),
     ],
 }
 
