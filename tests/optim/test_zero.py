@@ -14,6 +14,7 @@ from ddptrain.optim.broadcast import plan_broadcasts
 from ddptrain.optim.partition import ALIGN, shard_ranges
 from ddptrain.optim.zero import ZeroRedundancyOptimizer
 from support import toy_models
+from support.state_diff import optimizer_state_diff
 
 STEPS = 20
 RESUME_STEPS = 6
@@ -130,26 +131,6 @@ def _wrap(wrapper: str, module: torch.nn.Module) -> torch.nn.Module:
     return ddptrain.DistributedDataParallel(module) if wrapper == "ddptrain" else TorchDDP(module)
 
 
-def _state_diff(a: dict, b: dict) -> float:
-    """Largest difference between two optimizer state_dicts; inf if their layout differs."""
-    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
-        return float("inf")
-    worst = 0.0
-    for index, entry in a["state"].items():
-        other = b["state"][index]
-        if entry.keys() != other.keys():
-            return float("inf")
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                if value.shape != other[key].shape:
-                    return float("inf")
-                diff = (value.double() - other[key].double()).abs().max().item()
-                worst = max(worst, diff if value.numel() else 0.0)
-            elif value != other[key]:
-                return float("inf")
-    return worst
-
-
 def _train_alike(a: torch.nn.Module, zero, b: torch.nn.Module, plain) -> None:
     """Three identical steps of `a` under `zero` and `b` under `plain`; asserts equal weights."""
     for _ in range(3):
@@ -183,7 +164,7 @@ def _equivalence_case(name: str, rank: int) -> dict:
         "bitwise": all(torch.equal(a, b) for a, b in pairs),
         "max_diff": max((a - b).abs().max().item() for a, b in pairs),
         "replicas_same": replicas,
-        "state_diff": _state_diff(zero_opt.state_dict(), plain_opt.state_dict()),
+        "state_diff": optimizer_state_diff(zero_opt.state_dict(), plain_opt.state_dict()),
         "state_elements": (_state_elements(zero_opt), _state_elements(plain_opt)),
     }
 
@@ -264,7 +245,7 @@ def _resume_cases(path: str, rank: int) -> dict:
         out[opt_name] = {
             "bitwise": all(torch.equal(a, b) for a, b in pairs),
             "max_diff": max((a - b).abs().max().item() for a, b in pairs),
-            "round_trip_diff": _state_diff(reloaded.state_dict(), plain_opt.state_dict()),
+            "round_trip_diff": optimizer_state_diff(reloaded.state_dict(), plain_opt.state_dict()),
         }
     return out
 
@@ -326,7 +307,7 @@ def test_state_dict_is_the_same_on_every_rank(ws2):
     """state_dict() is collective and every rank gets the whole state."""
     for opt_index in range(2):
         dicts = [r["saved"][opt_index] for r in ws2]
-        assert _state_diff(dicts[0], dicts[1]) == 0.0
+        assert optimizer_state_diff(dicts[0], dicts[1]) == 0.0
 
 
 def test_parameter_given_twice_is_a_clear_error(ws2):
@@ -379,7 +360,7 @@ def test_one_process_without_a_process_group():
     zero = ZeroRedundancyOptimizer(a.parameters(), torch.optim.AdamW, lr=0.1)
     plain = torch.optim.AdamW(b.parameters(), lr=0.1)
     _train_alike(a, zero, b, plain)
-    assert _state_diff(zero.state_dict(), plain.state_dict()) == 0.0
+    assert optimizer_state_diff(zero.state_dict(), plain.state_dict()) == 0.0
 
 
 @pytest.mark.parametrize("kind", [torch.optim.Adagrad, torch.optim.AdamW, torch.optim.SGD])
