@@ -19,9 +19,9 @@ Why the launcher too: torchrun's agent hosts the store, and when the agent dies 
 live on as orphans. A worker watches its agent (its parent process), and stops beating once the
 store's port refuses a plain connection after a failed beat (or after STORE_FAILURES failed
 beats in a row) instead of calling a dead store twice a second (each call logs a C++ trace)
-and mistaking the silence for lost peers. Either way it calls
-`on_launcher_lost` (the Trainer then saves and stops at the next step boundary) and, if the
-process is still running `timeout_s` later, exits with LOST_RANK_EXIT_CODE itself.
+and mistaking the silence for lost peers. Either way it calls `on_launcher_lost` (the Trainer
+then saves and stops at the next step boundary) and, if the process is still running
+`timeout_s` later, exits with LOST_RANK_EXIT_CODE itself.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ LOST_RANK_EXIT_CODE = 75
 # Failed beats in a row (every interval_s) after which the store counts as gone: one failure
 # can be a hiccup; a few cost a few C++ log lines, not one every half second forever.
 STORE_FAILURES = 3
+AGENT_EXIT_S = 1.0  # how long a failed beat waits for the agent's exit to show
 
 
 class RankLostError(RuntimeError):
@@ -150,6 +151,15 @@ class Heartbeat:
                 return lost
             time.sleep(self.interval_s / 2)
 
+    def _agent_gone(self, within_s: float) -> bool:
+        """Whether this worker's torchrun agent has exited, waiting up to within_s for it."""
+        deadline = time.monotonic() + within_s
+        while self.agent_pid is not None and os.getppid() == self.agent_pid:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return self.agent_pid is not None
+
     def _silent_for(self) -> dict[int, float]:
         with self._lock:
             return self._poll_peers()
@@ -174,7 +184,7 @@ class Heartbeat:
     def _run(self) -> None:
         failures = 0
         while not self._stop.wait(self.interval_s):
-            if self.agent_pid is not None and os.getppid() != self.agent_pid:
+            if self._agent_gone(0.0):
                 self._lose_launcher(f"its torchrun agent (pid {self.agent_pid}) is gone")
                 return
             if self.world_size == 1:
@@ -183,6 +193,11 @@ class Heartbeat:
                 self._store.add(f"beat/{self.rank}", 1)
                 failures = 0
             except Exception as e:  # noqa: BLE001 - the store's host may be gone
+                # A dying agent closes its store a moment before its workers are reparented:
+                # name the agent, the cause, rather than the store.
+                if self._agent_gone(AGENT_EXIT_S):
+                    self._lose_launcher(f"its torchrun agent (pid {self.agent_pid}) is gone")
+                    return
                 failures += 1
                 if failures >= STORE_FAILURES or not self._store_listens():
                     self._lose_launcher(f"the launcher's store is unreachable ({one_line(e, 120)})")
