@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import multiprocessing as mp
 from typing import Any
 
 import torch
@@ -109,7 +110,22 @@ def loader(
         # Its own generator: iter(loader) draws a worker seed, which must not consume the
         # global RNG that dropout uses, or a resumed run would draw different masks.
         generator=torch.Generator().manual_seed(cfg.seed),
+        **worker_processes(cfg.num_workers),
     )
+
+
+def worker_processes(num_workers: int) -> dict[str, Any]:
+    """DataLoader keywords for `num_workers` loading processes (none for 0)."""
+    if num_workers == 0:
+        return {}
+    # Not forked from this process: a rank runs threads (communication, heartbeat), and a
+    # fork while one of them holds an interpreter lock leaves the worker deadlocked at its
+    # start (seen on Python 3.11). Persistent, so the start is paid once, not per epoch.
+    methods = mp.get_all_start_methods()
+    return {
+        "multiprocessing_context": "forkserver" if "forkserver" in methods else "spawn",
+        "persistent_workers": True,
+    }
 
 
 def optimizer(cfg: TrainerConfig, value: Any) -> tuple[torch.optim.Optimizer, Any]:

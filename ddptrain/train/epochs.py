@@ -121,6 +121,7 @@ class UnevenEpochs:
             num_workers=cfg.num_workers,
             pin_memory=info.device.type == "cuda",
             drop_last=cfg.drop_last,
+            **build.worker_processes(cfg.num_workers),
         )
         self.total_steps = self._total_steps()
         self.by_epochs = None

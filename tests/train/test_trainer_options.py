@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 
 import ddptrain
 from ddptrain.cpu.ring import Ring
+from ddptrain.train import build
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.evaluation import evaluate
@@ -353,3 +354,18 @@ def _run_cases(root: str) -> dict:
     return worlds.run_cases(
         {k: functools.partial(f, root=root) for k, f in CASES.items()}, list(CASES)
     )
+
+
+def test_loader_workers_are_not_forked_from_the_rank():
+    """The Trainer's loader workers start from a clean process, not a fork of a threaded rank."""
+    cfg = TrainerConfig(global_batch_size=4, num_workers=2)
+    info = ddptrain.DistInfo(0, 0, 1, torch.device("cpu"), "gloo")
+    data = TensorDataset(torch.arange(8.0))
+    sampler = build.sampler(cfg, len(data))
+    loader = build.loader(cfg, info, sampler, data)
+    # A fork while a communication or heartbeat thread holds an interpreter lock deadlocks
+    # the child at its start: the hang this guards against.
+    assert loader.multiprocessing_context.get_start_method() in ("forkserver", "spawn")
+    assert [b[0].tolist() for b in loader] == [
+        b[0].tolist() for b in build.loader(replace(cfg, num_workers=0), info, sampler, data)
+    ]
