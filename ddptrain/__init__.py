@@ -1,5 +1,7 @@
 """ddptrain: a small, readable data-parallel training framework on torch.distributed."""
 
+from ddptrain import cpu  # noqa: F401 - registers the CPU transports as the default
+from ddptrain.comm import named_hook
 from ddptrain.data import DataPartitioner, EvalSampler, ShardedSampler
 from ddptrain.ddp.wrapper import DDP, DistributedDataParallel
 from ddptrain.dist import (
@@ -48,6 +50,7 @@ __all__ = [
     "is_main",
     "latest_checkpoint",
     "load_checkpoint",
+    "named_hook",
     "print0",
     "shutdown",
     "spawn",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddptrain.ddp.groups import run_closers, set_timeout_s
+from ddptrain.ddp.hooks import run_closers, set_timeout_s
 from ddptrain.launch.env import INIT_METHOD_ENV as INIT_METHOD_ENV  # spawn and tests set it here
 from ddptrain.launch.env import LaunchError, detect_launcher, expand_nodelist, parse_env
 from ddptrain.launch.rendezvous import address_in_use, env_store

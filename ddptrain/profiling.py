@@ -10,9 +10,9 @@
     tracer = StepTracer((5, 7), "runs/x", rank)           # what TrainerConfig.profile_steps does
     tracer.before_step(step + 1); ...; tracer.after_step(step + 1)
 
-Marks are free while no trace is taken (ddp/marks.py says why). The profiler records every
-thread, so a bucket's reduction on the wrapper's communication thread shows up beside the
-backward pass that it overlaps.
+Marks are free while no trace is taken (`ddptrain.ddp.reducer.span` says why). The profiler
+records every thread, so a bucket's reduction on the wrapper's communication thread shows up
+beside the backward pass that it overlaps.
 """
 
 from __future__ import annotations
@@ -26,10 +26,20 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from ddptrain.ddp import marks
-from ddptrain.ddp.marks import mark, marks_on
+from ddptrain.ddp import reducer
+from ddptrain.ddp.reducer import span as mark
 
 __all__ = ["StepTracer", "mark", "marks_on", "range_missed", "trace", "trace_path"]
+
+
+@contextlib.contextmanager
+def marks_on() -> Iterator[None]:
+    """Turn marks on for a profiler you run yourself (torch.profiler.profile)."""
+    previous, reducer.tracing = reducer.tracing, True
+    try:
+        yield
+    finally:
+        reducer.tracing = previous
 
 
 def _profiler() -> profile:
@@ -83,7 +93,7 @@ class StepTracer:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._prof = _profiler()
         self._prof.start()
-        self._was_active, marks.active = marks.active, True
+        self._was_active, reducer.tracing = reducer.tracing, True
         # Ranks start their profilers at different moments; meeting here keeps that skew out
         # of the first profiled step's wait for buckets.
         if dist.is_initialized():
@@ -100,6 +110,6 @@ class StepTracer:
             return
         prof, self._prof = self._prof, None
         self._done = True
-        marks.active = self._was_active
+        reducer.tracing = self._was_active
         prof.stop()
         prof.export_chrome_trace(str(self.path))

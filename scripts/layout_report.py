@@ -11,7 +11,9 @@ Counted from the source with `ast`, nothing imported:
   which re-exports the public API, is left out: every module would otherwise pull in all);
 - private reads: `x._name` where `x` is neither `self` nor `cls` nor a module from outside the
   package (`torch._C`, `dist._...` are torch's business), `_name` not a dunder;
-- modules over 400 lines, and import cycles (strongly connected groups of module-level imports).
+- modules over 400 lines; import cycles (strongly connected groups), counted twice: over
+  module-level imports, and over every import that can run (function-local ones too);
+- the core (`ddptrain.ddp`) importing anything of the package outside it, even lazily.
 """
 
 from __future__ import annotations
@@ -68,14 +70,28 @@ def _top_level_imports(tree: ast.Module) -> list[ast.stmt]:
     return found
 
 
-def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the package modules its module-level imports run."""
+def _all_imports(tree: ast.Module) -> list[ast.stmt]:
+    """Every import statement that can run: module level, in functions, in branches (not those
+    under `if TYPE_CHECKING:`)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for n in ast.walk(node))
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skipped
+    ]
+
+
+def import_graph(mods: dict[str, Path], local: bool = False) -> dict[str, set[str]]:
+    """module -> the package modules its module-level imports run (`local`: any import)."""
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         tree = ast.parse(path.read_text())
         is_package = path.name == "__init__.py"
         targets: set[str] = set()
-        for node in _top_level_imports(tree):
+        for node in _all_imports(tree) if local else _top_level_imports(tree):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             else:
@@ -178,9 +194,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def main() -> int:
-    default = next(
-        (m for m in ("ddptrain.ddp.wrapper", "ddptrain.ddp.wrapper") if m in modules()), None
-    )
+    default = "ddptrain.ddp.wrapper"
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("module", nargs="?", default=default, help="dotted module name")
     args = parser.parse_args()
@@ -206,6 +220,22 @@ def main() -> int:
     print(f"import cycles: {len(groups)}")
     for group in groups:
         print(f"    {' <-> '.join(group)}")
+    every = import_graph(mods, local=True)
+    groups = cycles(every)
+    print(f"import cycles, function-local imports counted: {len(groups)}")
+    for group in groups:
+        print(f"    {' <-> '.join(group)}")
+    core = f"{PACKAGE}.ddp"
+    outward = sorted(
+        (name, target)
+        for name, targets in every.items()
+        if name == core or name.startswith(core + ".")
+        for target in targets
+        if target != PACKAGE and not (target == core or target.startswith(core + "."))
+    )
+    print(f"imports from the core ({core}) to the rest of the package: {len(outward)}")
+    for name, target in outward:
+        print(f"    {name} -> {target}")
     return 0
 
 

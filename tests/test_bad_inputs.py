@@ -225,8 +225,8 @@ CASES: dict[str, Case] = {
     ),
     "comm-hook-not-callable": Case(
         TypeError,
-        f"comm_hook must be a transport name (default, allreduce{GAP}got int; register a "
-        "hook(state, bucket) with model.register_comm_hook(state, hook)",
+        f"comm_hook must be a (state, hook) pair{GAP}got int; for a hook by name use "
+        "comm_hook=ddptrain.named_hook('bf16')",
         make.comm_hook_not_callable,
     ),
     "create-graph": Case(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ddptrain
+from ddptrain.comm import named_hook
 from ddptrain.dist import (
     INIT_METHOD_ENV,
     parse_env,
@@ -125,8 +126,8 @@ def _collective_threads() -> list[str]:
 def _run_shutdown_with_hooks() -> tuple:
     ddptrain.init_distributed()
     model = ddptrain.DDP(torch.nn.Linear(4, 2))
-    ring = ddptrain.DDP(torch.nn.Linear(4, 2), comm_hook="ring")
-    tcp = ddptrain.DDP(torch.nn.Linear(4, 2), comm_hook="tcp")
+    ring = ddptrain.DDP(torch.nn.Linear(4, 2), comm_hook=named_hook("ring"))
+    tcp = ddptrain.DDP(torch.nn.Linear(4, 2), comm_hook=named_hook("tcp"))
     for wrapped in (model, ring, tcp):
         wrapped(torch.randn(3, 4)).sum().backward()
     during = _collective_threads()

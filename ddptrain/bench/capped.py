@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 import ddptrain
 from ddptrain.bench.memory import return_freed_memory, status_bytes
+from ddptrain.comm import named_hook
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.launch.spawn import WorkerError
@@ -69,7 +70,7 @@ def _train(
     else:
         # Over the backend's all_reduce: the shared-memory transport maps every rank's bucket
         # rows in each rank, which would fail sooner, and for a reason of its own.
-        model = DistributedDataParallel(module, comm_hook="allreduce")
+        model = DistributedDataParallel(module, comm_hook=named_hook("allreduce"))
     if wrapper == "zero1":
         opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(model.parameters(), lr=1e-4)
     else:

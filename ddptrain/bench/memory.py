@@ -45,7 +45,7 @@ import ddptrain
 from ddptrain.bench.models import MODELS
 from ddptrain.bench.report import machine
 from ddptrain.ddp.wrapper import DistributedDataParallel
-from ddptrain.fsdp.units import choose_units
+from ddptrain.fsdp.layout import choose_units
 from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.optim.zero import ZeroRedundancyOptimizer
 

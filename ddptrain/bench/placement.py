@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from ddptrain.compress.half import HalfPrecision
 from ddptrain.cpu.shm import SHM_DIR
 from ddptrain.cpu.tcp import Socket
-from ddptrain.ddp.hooks import Cast
 from ddptrain.ddp.wrapper import DistributedDataParallel
 
 
@@ -40,7 +40,7 @@ def bucket_transport(model: DistributedDataParallel) -> str:
     if shared == {True, False}:
         return "mixed"
     transport = model.comm_hook[0]
-    if isinstance(transport, Cast):
+    if isinstance(transport, HalfPrecision):
         transport = transport.inner
     return "tcp" if isinstance(transport, Socket) else "backend"
 

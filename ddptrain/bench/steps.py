@@ -47,15 +47,16 @@ from ddptrain.bench.collectives import bench_all_reduce
 from ddptrain.bench.models import MODELS
 from ddptrain.bench.placement import bucket_transport, hosts, this_host, transport
 from ddptrain.bench.report import format_table, machine, plot, summarize
+from ddptrain.comm import named_hook
 from ddptrain.ddp.hooks import GradBucket, Transport
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import LaunchError, launched_by
-from ddptrain.fsdp.units import choose_units
+from ddptrain.fsdp.layout import choose_units
 from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.optim.zero import ZeroRedundancyOptimizer
 
 BASE_VARIANTS = ("ddptrain", "torch_ddp", "naive", "local")
-# Opt-in ddptrain variants: --extras name -> the transport (ddptrain.ddp.hooks.NAMES) it uses.
+# Opt-in ddptrain variants: --extras name -> the hook it uses, by name (ddptrain/comm.py).
 EXTRAS = {
     "gloo": "allreduce",
     "bf16": "bf16",
@@ -115,14 +116,15 @@ def _make_variant(
     elif name == "ddptrain" or name.removeprefix("ddptrain_") in OPTIMIZER_EXTRAS:
         model = DistributedDataParallel(module)
     elif name.startswith("ddptrain_"):
-        model = DistributedDataParallel(module, comm_hook=EXTRAS[name.removeprefix("ddptrain_")])
+        hook = named_hook(EXTRAS[name.removeprefix("ddptrain_")])
+        model = DistributedDataParallel(module, comm_hook=hook)
     elif name == "flat":
         model = module
         after = lambda: _flat_average(module, world_size)  # noqa: E731
     elif name in ("hooked", "hooked_rebuild"):
         model = DistributedDataParallel(
             module,
-            comm_hook="allreduce",
+            comm_hook=named_hook("allreduce"),
             rebuild_buckets=name == "hooked_rebuild",
             gradient_as_bucket_view=False,
         )
@@ -200,7 +202,7 @@ def _bench_model(
             start, start_cpu = time.perf_counter(), time.process_time()
             # Back to back, as in training: a barrier before every step would hide how
             # collectives behave when ranks arrive out of step (gloo's small all_reduce is
-            # ~5x slower then, measured), so only each block of steps starts aligned.
+            # much slower then), so only each block of steps starts aligned.
             for _ in range(block):
                 if v == "comm_alone":
                     for bucket in comm_buckets:
@@ -233,7 +235,7 @@ def _sync(device: torch.device) -> None:
 def _keep_freed_memory() -> bool:
     """Stop glibc returning freed memory to the OS (and mapping it anew) between steps."""
     # Stock glibc adapts its mmap/trim thresholds as it goes, so a 20 MB gradient freed in one
-    # step may be page-faulted back in the next (~11k faults, ~30 ms on the MLP) or not,
+    # step may be page-faulted back in the next (thousands of faults on the MLP) or not,
     # depending on allocation history that interleaved variants share: the tax lands on
     # whichever variant the history punishes. Fixed thresholds remove it for all alike.
     try:

@@ -1,6 +1,6 @@
 """PowerSGD gradient compression in torch's hook protocol: low-rank gradients, error feedback.
 
-    ddptrain.DDP(net, comm_hook="powersgd")                  # rank 4 from step 100
+    ddptrain.DDP(net, comm_hook=ddptrain.named_hook("powersgd"))   # rank 4 from step 100
     state = PowerSGDState(matrix_rank=2, start_step=500)     # other options (its defaults are
     ddptrain.DDP(net, comm_hook=(state, powersgd_hook))      # torch's: rank 1, step 1000)
     TrainerConfig(comm_hook="powersgd", powersgd_rank=4, powersgd_start_step=100)
@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ddptrain.ddp.hooks import GradBucket, Transport, default_transport
 
-# What comm_hook="powersgd" means, in the wrapper and in TrainerConfig: a rank that keeps
+# What the name "powersgd" means (ddptrain/comm.py, TrainerConfig): a rank that keeps
 # accuracy on the recipe's models (docs/guide.md, "When to compress") and a start short runs
 # reach.
 NAMED_RANK = 4
@@ -143,8 +143,7 @@ class _Plan:
     send_p: torch.Tensor  # [others | P of each matrix], allocated by the transport
     send_q: torch.Tensor  # [Q of each matrix]
     # Transposed: P^T (r x n) and Q^T (r x m), contiguous. MKL computes Q^T M^T and P^T M
-    # 2-3x faster than M Q and M^T P (2240 x 2240 at r = 4, one AMD EPYC thread: 2.2 ms
-    # against 6.4 and 8.1 ms), and they are the same numbers on the wire.
+    # several times faster than M Q and M^T P, and they are the same numbers on the wire.
     pts: list[torch.Tensor]
     qts: list[torch.Tensor]
     # The Q^T each error's pending approximation was built from (the P^T is still in pts).
@@ -259,8 +258,7 @@ def _project(
     it (P_last: pt's values on entry, last_qt None: nothing to subtract); else M = grad."""
     # Block by block: each block of M is multiplied while the additions left it in cache, and
     # subtracting the last approximation here, not in a pass of its own when it was made, saves
-    # that pass (2240 x 2240, one AMD EPYC thread: 3.0 to 3.7 ms for what took 5.3 ms in three
-    # passes). A block's old P rows are read before its new ones are written.
+    # that pass. A block's old P rows are read before its new ones are written.
     source = grad if error is None else error
     rows = _rows_per_block(source, _PROJECT_BLOCK_BYTES)
     for start in range(0, source.shape[0], rows):
@@ -279,9 +277,8 @@ def _rows_per_block(matrix: torch.Tensor, nbytes: int) -> int:
 
 def _outer(p: torch.Tensor, qt: torch.Tensor, out: torch.Tensor) -> None:
     """out = p @ qt (n x r times r x m), in blocks of rows."""
-    # One n x m product with r = 4 runs at a third of memory speed in MKL; blocks of ~512 KiB
-    # of output run near it (2240 x 2240, one AMD EPYC thread: 4.8 ms whole, 1.8 ms in
-    # 64-row blocks).
+    # One n x m product with r = 4 runs well below memory speed in MKL; blocks of ~512 KiB of
+    # output run near it.
     rows = _rows_per_block(out, _OUTER_BLOCK_BYTES)
     for start in range(0, out.shape[0], rows):
         torch.mm(p[start : start + rows], qt, out=out[start : start + rows])

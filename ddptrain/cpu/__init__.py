@@ -1,10 +1,13 @@
 """CPU transports for the DDP wrapper: shared memory on one host, TCP across hosts, a ring.
 
-    ddptrain.DDP(net)                      # CPU ranks under gloo: one of these by default
-    ddptrain.DDP(net, comm_hook="tcp")     # or forced by name: "shm", "tcp", "ring"
+    ddptrain.DDP(net)                                     # CPU ranks under gloo: one by default
+    ddptrain.DDP(net, comm_hook=ddptrain.named_hook("tcp"))   # or by name: shm, tcp, ring
 
-Each is a `ddptrain.ddp.hooks.Transport`: the core knows them only through that interface,
-and reaches this package in one place (`hooks.default_transport`, `hooks.make_transport`).
+Each is a `ddptrain.ddp.hooks.Transport`: the core knows them only through that interface.
+Importing this package (`import ddptrain` does) registers with the core
+(`hooks.register_cpu_defaults`) `default_transport`, its choice for CPU ranks under gloo, and
+`slots_mode`, which has large Linear layers compute their gradients straight into their
+bucket slots (linear_slots.py). Names are resolved above the core, in ddptrain/comm.py.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddptrain.cpu.linear_slots import slots_mode
 from ddptrain.cpu.ring import Ring
 from ddptrain.cpu.shm import SharedMemory, shared_memory_usable
 from ddptrain.cpu.tcp import HOST_ENV, Socket
+from ddptrain.ddp import hooks
 from ddptrain.ddp.hooks import Transport
 
-__all__ = ["Ring", "SharedMemory", "Socket", "default_transport", "transport"]
+__all__ = ["Ring", "SharedMemory", "Socket", "default_transport", "slots_mode", "transport"]
 
 
 def transport(name: str, process_group: Any = None) -> Transport:
@@ -46,3 +51,6 @@ def default_transport(process_group: Any = None) -> Transport | None:
             stacklevel=2,
         )
     return chosen
+
+
+hooks.register_cpu_defaults(default_transport, slots_mode)

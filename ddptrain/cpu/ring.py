@@ -3,7 +3,7 @@
     ring_reduce(flat, rank, world_size, scratch, exchange)   # in-place SUM over the ranks
     # exchange(send, recv): send `send` to rank + 1 while receiving `recv` from rank - 1
     ring_all_reduce(t)                                       # the same over isend/irecv
-    ddptrain.DDP(net, comm_hook="ring")                      # Ring: the wrapper's buckets
+    ddptrain.DDP(net, comm_hook=ddptrain.named_hook("ring"))   # Ring: the wrapper's buckets
 
 Reduce-scatter, then all-gather: each rank sends and receives 2 * (world_size - 1) /
 world_size of the tensor, whatever the world size. Every chunk is summed by one rank and then
@@ -19,8 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.ddp.groups import close_at_shutdown, global_rank, new_group_like, release_group
-from ddptrain.ddp.hooks import GradBucket, Transport
+from ddptrain.ddp.hooks import (
+    GradBucket,
+    Transport,
+    close_at_shutdown,
+    global_rank,
+    new_group_like,
+    release_group,
+)
 
 Exchange = Callable[[torch.Tensor, torch.Tensor], None]
 

@@ -8,7 +8,7 @@
     shm.close()                                   # ddptrain.shutdown() does it
 
 Gloo sends every byte through loopback TCP, copied into and out of the kernel on both sides,
-and even a 100 KB all_reduce costs ~2 ms inside a training step here. Instead, the wrapper's
+which costs milliseconds even for a small bucket inside a training step. Instead, the wrapper's
 buckets are rows of one shared file per bucket: rank r sums chunk r of every row (its own row
 first, then the others by rank: at world size 2 bitwise the backend's a + b) and writes the
 sum into every row. Ranks meet at two barriers per bucket (rows full; chunks summed), counters
@@ -31,9 +31,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.ddp import groups
-from ddptrain.ddp.groups import close_at_shutdown, global_rank, new_group_like, release_group
-from ddptrain.ddp.hooks import GradBucket, Transport
+from ddptrain.ddp import hooks
+from ddptrain.ddp.hooks import (
+    GradBucket,
+    Transport,
+    close_at_shutdown,
+    global_rank,
+    new_group_like,
+    release_group,
+)
 
 SHM_DIR = "/dev/shm"
 # Room left free in SHM_DIR: a full tmpfs kills a process with SIGBUS, not an exception.
@@ -44,8 +50,8 @@ SHM_MIN_BYTES = 0
 _COUNTER_STRIDE = 8
 # A waiting rank polls this many times (yielding the core in between) before it sleeps. At the
 # end of backward, with no more ranks than cores, it goes on polling for up to _SPIN_S: waking
-# from a sleep takes 50-100 us (the timer's slack), which every rank waiting behind it would pay
-# too. Reductions while backward runs, and ranks that outnumber the cores, sleep sooner: their
+# from a sleep costs the timer's slack, which every rank waiting behind it would pay too.
+# Reductions while backward runs, and ranks that outnumber the cores, sleep sooner: their
 # polling would take the core from work that is waited for.
 _SPIN_POLLS = 200
 _SPIN_S = 2e-3
@@ -90,7 +96,7 @@ class SharedMemory(Transport):
             if counters is not None:
                 counters[self.rank * _COUNTER_STRIDE + 1] = os.getpid()
                 dist.barrier(group=self.group)
-                wait_s = groups.timeout_s() if timeout_s is None else timeout_s
+                wait_s = hooks.timeout_s() if timeout_s is None else timeout_s
                 self._barrier = _SharedBarrier(counters, self.rank, self.world_size, wait_s)
 
     @staticmethod
@@ -118,7 +124,8 @@ class SharedMemory(Transport):
         if device.type != "cpu":
             raise ValueError(
                 f"the shared-memory transport reduces CPU buckets, not {device}; use "
-                "comm_hook='allreduce' (the backend's all_reduce) for this model"
+                "comm_hook=ddptrain.named_hook('allreduce') (the backend's all_reduce) for this "
+                "model"
             )
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         if self._barrier is None or nbytes < max(1, self.min_bytes):
@@ -229,8 +236,8 @@ class SharedMemory(Transport):
 class _SharedRows:
     """A shared bucket's file as one row per rank, and the slices of chunk `rank` that this
     rank sums: its own row's first, then the others' by rank (at world size 2 bitwise the
-    backend's a + b). Sliced once per bucket: slicing each step costs ~30 us of dispatch on a
-    slow CPU, more than summing a small bucket."""
+    backend's a + b). Sliced once per bucket: slicing each step costs more dispatch than
+    summing a small bucket."""
 
     def __init__(self, flat: torch.Tensor, rank: int, world_size: int) -> None:
         self.numel = numel = flat.numel() // world_size
@@ -273,8 +280,8 @@ class _SharedBarrier:
 
     def __init__(self, counters: torch.Tensor, rank: int, world_size: int, timeout_s: float):
         self._counters = counters  # keeps the memory that _words reads alive
-        # The counters as machine words, read and written from Python directly: a torch op
-        # costs 3-13 us of dispatch on a slow CPU, and a barrier reads them at least once.
+        # The counters as machine words, read and written from Python directly: a torch op's
+        # dispatch costs more than the read, and a barrier reads them at least once.
         self._words = (ctypes.c_int64 * counters.numel()).from_address(counters.data_ptr())
         self._mine = rank * _COUNTER_STRIDE
         self._others = [r * _COUNTER_STRIDE for r in range(world_size) if r != rank]

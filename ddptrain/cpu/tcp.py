@@ -6,9 +6,8 @@
     Socket.connect()                         # the same, or None on every rank if they cannot
 
 Gloo runs every collective on worker threads of its own; inside a training step, handing a
-small bucket to them and being woken when it is done costs more than sending its bytes (two
-hosts sharing 2 cores, LeNet's 85 KB bucket: 1.7-1.8 ms of an 8.8 ms step exposed through
-gloo, 0.7-0.8 ms here; docs/benchmarks.md). Here the thread that reduces a bucket sends and
+small bucket to them and being woken when it is done costs more than sending its bytes
+(docs/benchmarks.md, "Across two hosts"). Here the thread that reduces a bucket sends and
 receives it itself: each rank keeps one TCP connection to the next rank of a ring and one from
 the previous, and the ring schedule (ring.py) sends through one while it receives from the
 other, with non-blocking sockets, so neither direction waits for the other and no bucket is
@@ -31,9 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.cpu.ring import ring_reduce, scratch_for
-from ddptrain.ddp import groups
-from ddptrain.ddp.groups import close_at_shutdown, global_rank
-from ddptrain.ddp.hooks import GradBucket, Transport
+from ddptrain.ddp import hooks
+from ddptrain.ddp.hooks import GradBucket, Transport, close_at_shutdown, global_rank
 
 # The address peers connect to, when set (else see advertised_host).
 HOST_ENV = "DDPTRAIN_SOCKET_HOST"
@@ -65,7 +63,7 @@ class Socket(Transport):
             raise ValueError("the TCP transport reduces CPU buckets beside a gloo process group")
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.timeout_s = groups.timeout_s() if timeout_s is None else timeout_s
+        self.timeout_s = hooks.timeout_s() if timeout_s is None else timeout_s
         self._ring = _connect_ring(process_group, connect_timeout_s)
         self._scratch: torch.Tensor | None = None
         self._closed = False
@@ -84,7 +82,8 @@ class Socket(Transport):
         if device.type != "cpu":
             raise ValueError(
                 f"the TCP transport reduces CPU buckets, not {device}; use "
-                "comm_hook='allreduce' (the backend's all_reduce) for this model"
+                "comm_hook=ddptrain.named_hook('allreduce') (the backend's all_reduce) for this "
+                "model"
             )
         return torch.zeros(numel, dtype=dtype)
 

@@ -6,9 +6,9 @@
 
 A map-style dataset may define `get_batch(indices)`: the batch default_collate would build from
 `[dataset[i] for i in indices]`. IDXDataset does: its samples are rows of one tensor, so a
-batch is one gather instead of a __getitem__ call per sample and a stack (128 MNIST images:
-~0.45 ms -> ~0.05 ms on one core, most of what a LeNet step spent on data). Other datasets get
-a plain DataLoader.
+batch is one gather instead of a __getitem__ call per sample and a stack, which was most of
+what a LeNet step spent on data (docs/benchmarks.md, "Costs the code is shaped around").
+Other datasets get a plain DataLoader.
 """
 
 from __future__ import annotations

@@ -1,25 +1,29 @@
-"""Buckets: which parameters share one (pure), and where each gradient lives in them.
+"""Buckets: which parameters share one (pure), where each gradient lives in them, and the
+Bucket a backward fills and reduces.
 
     buckets = assign_buckets(sizes_bytes=[4096, 40, 80_000], keys=["f32"] * 3,
                              cap_bytes=25 * 2**20, first_cap_bytes=2**20)
-    layout = build_layout(params, order, 25 * MB, MB, torch_zeros, as_view=True, flags=True)
+    layout = build_layout(params, order, 25 * MB, MB, torch_zeros, as_view=True, tail=4)
     layout.flats[b], layout.views[i]                          # bucket b; parameter i's slot
-    layout.used_flags, layout.sync_value                      # the last bucket's tail
+    layout.tail                                               # 4 more elements, summed alike
     fill_slot(layout.views[i], p.grad, 2, False, scratch)     # slot = grad / 2
     view = view_like(flat[offset : offset + p.numel()], p)   # p's shape and strides
     scale_into_narrower(grad, 0.5, bf16_view, scratch)        # bf16_view = round(grad * 0.5)
 
 The caller passes parameters in the order their gradients are expected to become ready (reverse
-registration order, or the order observed on a first backward). Functions of sizes and tensors;
-no collectives.
+registration order, or the order observed on a first backward). Everything but `Bucket` is a
+function of sizes and tensors; `Bucket` hands its reduction to a runner, never a collective.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from ddptrain.ddp.hooks import GradBucket, Job, OrderedRunner
 
 MB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -82,11 +86,10 @@ class BucketLayout:
 
     order: list[int]  # the parameters in the order their buckets launch
     members: list[list[int]]  # per bucket, its parameters
-    flats: list[torch.Tensor]  # per bucket, one flat tensor (the last may carry the flags)
+    flats: list[torch.Tensor]  # per bucket, one flat tensor (the last may end with the tail)
     views: list[torch.Tensor]  # per parameter, its slot, with its shape and strides
     bucket_of: list[int]  # per parameter, its bucket
-    used_flags: torch.Tensor | None  # one "used here" flag per parameter, at the last tail
-    sync_value: torch.Tensor | None  # one more element after the flags: a value summed alike
+    tail: torch.Tensor | None  # the last bucket's extra elements after its gradients
     grad_is_view: list[bool]  # per parameter, whether .grad may be the slot itself
 
     @property
@@ -101,12 +104,11 @@ def build_layout(
     first_cap_bytes: int,
     allocate: Callable[[int, torch.dtype, torch.device], torch.Tensor],
     as_view: bool,
-    flags: bool,
+    tail: int = 0,
 ) -> BucketLayout:
     """Buckets for `params` taken in `order` (assign_buckets), each allocated by `allocate`
-    (numel, dtype, device); `as_view`: gradients may live in their slots; `flags`: the last
-    bucket carries one "used here" flag per parameter at its tail, then one value summed with
-    them (DistributedDataParallel.flag_next_sync)."""
+    (numel, dtype, device); `as_view`: gradients may live in their slots; `tail`: elements
+    the last bucket holds after its gradients, reduced with them (the reducer's flags)."""
     ordered = [params[i] for i in order]
     buckets = assign_buckets(
         [p.numel() * p.element_size() for p in ordered],
@@ -121,9 +123,9 @@ def build_layout(
     flats: list[torch.Tensor] = []
     for b, indices in enumerate(members):
         numel = sum(params[i].numel() for i in indices)
-        # A transport sums the whole flat tensor, so which parameters were used on no rank
-        # is learned from the last bucket's tail without an extra collective.
-        extra = n + 1 if flags and b == len(members) - 1 else 0
+        # A transport sums the whole flat tensor, so values put in the last bucket's tail are
+        # summed over ranks without an extra collective.
+        extra = tail if b == len(members) - 1 else 0
         first = params[indices[0]]
         flat = allocate(numel + extra, first.dtype, first.device)
         offset = 0
@@ -134,11 +136,13 @@ def build_layout(
         flats.append(flat)
     # A transport may keep buckets in its wire dtype (bf16): those gradients are copies.
     grad_is_view = [as_view and v.dtype == p.dtype for v, p in zip(views, params, strict=True)]
-    used_flags = flats[-1][-n - 1 : -1] if flags and flats else None
-    sync_value = flats[-1][-1:] if flags and flats else None
-    return BucketLayout(
-        order, members, flats, views, bucket_of, used_flags, sync_value, grad_is_view
-    )
+    tail_view = flats[-1][flats[-1].numel() - tail :] if tail and flats else None
+    return BucketLayout(order, members, flats, views, bucket_of, tail_view, grad_is_view)
+
+
+def zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed bucket where no transport allocates one."""
+    return torch.zeros(numel, dtype=dtype, device=device)
 
 
 def fill_slot(
@@ -151,7 +155,7 @@ def fill_slot(
     """view = grad / divisor (zero for no gradient); returns `scratch`, the buffer of CAST_CHUNK
     elements a narrower view is filled through, made anew when grad's dtype needs one.
 
-    `claimed`: autograd computed the scaled gradient into the view itself (linear_grads.py).
+    `claimed`: autograd computed the scaled gradient into the view itself (Reducer.claim_slot).
     """
     if claimed:
         # A tensor other than the view means more gradients were summed with it.
@@ -205,8 +209,8 @@ def scale_into_narrower(
 
     The product is taken in grad's dtype in CAST_CHUNK pieces through `scratch` (that dtype, at
     least CAST_CHUNK elements), then cast, so memory is crossed once. On CPU a mixed-dtype
-    mul(out=) takes a ~4x slower unvectorized path, and cast-then-scale a second pass (68 MB
-    fp32 -> bf16, one thread: 49 / 18.5 / 14 ms).
+    mul(out=) takes a slower unvectorized path, and cast-then-scale a second pass
+    (docs/benchmarks.md, "Costs the code is shaped around").
     """
     if grad.stride() != view.stride():
         grad = grad.contiguous(memory_format=memory_format(view))
@@ -217,3 +221,53 @@ def scale_into_narrower(
         scaled = scratch[: source.numel()]
         torch.mul(source, scale, out=scaled)
         target.copy_(scaled)
+
+
+class Bucket:
+    """One flat tensor of gradients, filled slot by slot and reduced once full.
+
+    Its verbs, in the order of a step: `arrived` (one more slot filled; True when all are),
+    `launch` (its reduction queued on the runner), `wait` (the mean is in the flat tensor),
+    `reset` (ready for the next step)."""
+
+    __slots__ = ("grad_bucket", "job", "members", "pending")
+
+    def __init__(
+        self,
+        index: int,
+        flat: torch.Tensor,
+        members: list[int],
+        views: list[torch.Tensor],
+        params: list[torch.Tensor],
+        is_last: bool,
+    ) -> None:
+        gradients, own = [views[i] for i in members], [params[i] for i in members]
+        # What the comm hook is handed; for a transport the last one ends with the tail.
+        self.grad_bucket = GradBucket(index, flat, gradients, own, is_last)
+        self.members = members
+        self.pending = len(members)
+        self.job: Job | None = None
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.grad_bucket.buffer()
+
+    def arrived(self) -> bool:
+        """One more of its gradients is in its slot; True once every one is."""
+        self.pending -= 1
+        return self.pending == 0
+
+    def launch(
+        self, runner: OrderedRunner, reduce: Callable[[GradBucket], Any], wait_at_once: bool
+    ):
+        """Queue its reduction; `wait_at_once`: the caller waits now, so it runs it itself."""
+        self.job = runner.submit(reduce, self.grad_bucket, wake=not wait_at_once)
+
+    def wait(self) -> None:
+        """Wait for the reduction; the bucket's flat tensor then holds the mean."""
+        result = self.job.wait()
+        if result is not None and result.data_ptr() != self.flat.data_ptr():
+            self.flat.copy_(result.view(-1))
+
+    def reset(self) -> None:
+        self.pending, self.job = len(self.members), None

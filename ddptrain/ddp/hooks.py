@@ -1,9 +1,9 @@
-"""torch's communication-hook protocol, and the transports ddptrain reduces buckets with.
+"""torch's communication-hook protocol, the transports it reaches, and how hooks are run.
 
     model.register_comm_hook(None, allreduce_hook)           # torch's hooks run unchanged
     model.register_comm_hook(state, powerSGD_hook)           # PowerSGD, its state included
-    ddptrain.DDP(net, comm_hook="bf16")                      # a transport, by name (NAMES)
-    ddptrain.DDP(net, comm_hook=Transport subclass instance) # or built by hand
+    ddptrain.DDP(net, comm_hook=(transport, transport_hook)) # a Transport, built by hand
+    ddptrain.DDP(net, comm_hook=ddptrain.named_hook("bf16")) # or by name (ddptrain/comm.py)
 
 The protocol is torch's: `hook(state, bucket) -> torch.futures.Future[Tensor]`, called once per
 bucket with a `GradBucket` (the interface of torch's `dist.GradBucket`) holding the SUM of the
@@ -16,44 +16,34 @@ best (`allocate`: rows of a shared file), gradients copied in already divided by
 (one pass over every gradient, as torch's built-in reducer does, so `reduce` only sums), and
 the model's buffers to send (`broadcast`). Its hook is `transport_hook`.
 
-`default_transport` is the one place a transport is chosen: nothing to send alone; for CPU
-processes under gloo the CPU transports (ddptrain.cpu: shared memory on one host, TCP across
-hosts); else the backend's all_reduce. Transports that keep state (a group, a thread, shared
-memory) are built on every rank in the same order: building one is collective.
+`default_transport` is where the wrapper's default is chosen: nothing to send alone; what the
+CPU package registered (`register_cpu_defaults`: ddptrain.cpu chooses shared memory or TCP for
+CPU ranks under gloo, and registers itself when `ddptrain` is imported); else the backend's
+all_reduce. The core imports no transport. Transports that keep state (a group, a
+thread, shared memory) are built on every rank in the same order: building one is collective.
+
+`OrderedRunner` runs the hooks: one bucket at a time, in bucket order, on a thread of its own
+while backward goes on. The process-group helpers at the end are shared by the transports.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.ddp.groups import close_at_shutdown, new_group_like, release_group, resolve
-
 # torch's contract: hook(state, bucket) -> Future holding the bucket's averaged gradients.
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
-
-# Transports by name (TrainerConfig.comm_hook, the recipe's --comm-hook): "allreduce" is the
-# backend's all_reduce; "shm", "tcp" and "ring" force a CPU transport; "bf16"/"fp16" cast
-# around the default transport; "allreduce-bf16", "ring-fp16", ... around a named one.
-NAMES = (
-    "allreduce",
-    "shm",
-    "tcp",
-    "ring",
-    "bf16",
-    "fp16",
-    "allreduce-bf16",
-    "allreduce-fp16",
-    "ring-bf16",
-    "ring-fp16",
-)
+# (param) -> (its bucket slot, the factor to scale its gradient by there), or None.
+Claim = Callable[[torch.Tensor], "tuple[torch.Tensor, float] | None"]
 
 
 class GradBucket:
@@ -91,7 +81,8 @@ class GradBucket:
         return self._is_last
 
     def set_buffer(self, buffer: torch.Tensor) -> None:
-        """Replace the bucket's contents with `buffer` (same size), as torch's does."""
+        """Replace the bucket's contents with `buffer` (same size), as torch's does: a copy,
+        since the gradients are views of the bucket's own tensor."""
         if buffer.numel() != self._buffer.numel():
             raise ValueError(
                 f"set_buffer got {buffer.numel()} elements for a bucket of {self._buffer.numel()}"
@@ -132,7 +123,7 @@ def transport_hook(state: Transport, bucket: GradBucket) -> torch.futures.Future
     return future
 
 
-class Local(Transport):
+class SingleRank(Transport):
     """A world of one: the bucket already holds the sum, so nothing is sent."""
 
     def reduce(self, bucket: GradBucket) -> None:
@@ -156,112 +147,39 @@ class AllReduce(Transport):
         self.group = None
 
 
-class Cast(Transport):
-    """Gradients travel as `dtype` (bf16/fp16) through `inner`, which defaults to AllReduce.
-
-    Buckets are allocated in `dtype` (where `inner` places them), so the casts ride on the
-    copies the wrapper makes anyway: gradients are rounded on the way into the bucket and
-    widened on the way back into `.grad`. A bucket in another dtype is cast into a reused
-    buffer and back. The used-parameter flags (0/1) survive the casts exactly. The wrapper
-    divides by world_size before narrowing, so fp16 overflows only where an averaged gradient
-    exceeds 65504.
-    """
-
-    def __init__(self, dtype: torch.dtype = torch.bfloat16, inner: Transport | None = None):
-        self.dtype = dtype
-        self.inner = inner if inner is not None else AllReduce()
-        self._wire: dict[int, tuple[Any, torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed bucket in the wire dtype (when `dtype` is floating point)."""
-        return self.inner.allocate(numel, self.dtype if dtype.is_floating_point else dtype, device)
-
-    def reduce(self, bucket: GradBucket) -> None:
-        buffer = bucket.buffer()
-        if buffer.dtype == self.dtype:
-            self.inner.reduce(bucket)
-            return
-        wire = self._wire_for(buffer)
-        wire.copy_(buffer)
-        self.inner.reduce(GradBucket(bucket.index(), wire, [], [], bucket.is_last()))
-        buffer.copy_(wire)
-
-    def _wire_for(self, buffer: torch.Tensor) -> torch.Tensor:
-        # One reusable buffer per bucket, so casting allocates nothing per step.
-        with self._lock:
-            ref, wire = self._wire.get(buffer.data_ptr(), (None, None))
-            if ref is None or ref() is not buffer or wire.numel() != buffer.numel():
-                wire = self.inner.allocate(buffer.numel(), self.dtype, buffer.device)
-                self._wire[buffer.data_ptr()] = (weakref.ref(buffer), wire)
-        return wire
-
-    def broadcast(self, tensors: list[torch.Tensor], src: int) -> bool:
-        """Buffers travel as they are, through `inner`."""
-        return self.inner.broadcast(tensors, src)
-
-    def close(self) -> None:
-        self.inner.close()
+# What a CPU package offers the core (ddptrain.cpu registers itself when ddptrain is imported):
+# the transport for CPU ranks under gloo ((group) -> Transport, or None for the backend's), and
+# a mode synchronized forwards of a CPU module run in ((module, claim) -> context, or None).
+ChooseTransport = Callable[[Any], "Transport | None"]
+ForwardMode = Callable[[nn.Module, Claim], "AbstractContextManager | None"]
+_cpu_transport: ChooseTransport | None = None
+_cpu_forward_mode: ForwardMode | None = None
 
 
-def make_transport(name: str, process_group: Any = None) -> Transport:
-    """Collective: the transport called `name` (one of NAMES), built on every rank."""
-    if name not in NAMES:
-        raise ValueError(
-            f"unknown comm hook {name!r}; choose one of default, {', '.join(NAMES)}, powersgd"
-        )
-    if name in ("bf16", "fp16"):
-        base, wire = "default", name
-    elif name.endswith(("-bf16", "-fp16")):
-        base, wire = name.split("-")
-    else:
-        base, wire = name, ""
-    if base == "default":
-        inner = default_transport(process_group, on_cpu=True)
-    elif base == "allreduce":
-        inner = AllReduce(process_group)
-    else:
-        from ddptrain import cpu  # the CPU transports, by name
-
-        inner = cpu.transport(base, process_group)
-    if not wire:
-        return inner
-    return Cast(torch.bfloat16 if wire == "bf16" else torch.float16, inner)
-
-
-def named_hook(
-    name: str, process_group: Any = None, on_cpu: bool = True
-) -> tuple[object, CommHook]:
-    """Collective: the (state, hook) pair `name` stands for: "default", a transport of NAMES, or
-    "powersgd" (ddptrain.compress: rank 4 from step 100)."""
-    if name == "powersgd":
-        # The one link from the core to the compressing hooks.
-        from ddptrain.compress import powersgd
-
-        state = powersgd.PowerSGDState(
-            process_group,
-            matrix_rank=powersgd.NAMED_RANK,
-            start_step=powersgd.NAMED_START_STEP,
-            on_cpu=on_cpu,
-        )
-        return state, powersgd.powersgd_hook
-    if name == "default":
-        return default_transport(process_group, on_cpu), transport_hook
-    return make_transport(name, process_group), transport_hook
+def register_cpu_defaults(choose: ChooseTransport, forward_mode: ForwardMode) -> None:
+    """Have `default_transport` ask `choose(process_group)` for CPU ranks under gloo, and the
+    wrapper run synchronized forwards of CPU modules in `forward_mode(module, claim)`, where
+    `claim` is Reducer.claim_slot (ddptrain.cpu: large Linear gradients into their slots)."""
+    global _cpu_transport, _cpu_forward_mode
+    _cpu_transport, _cpu_forward_mode = choose, forward_mode
 
 
 def default_transport(process_group: Any = None, on_cpu: bool = True) -> Transport:
-    """Collective: how buckets are reduced when no hook is named (module docstring)."""
+    """Collective: how buckets are reduced when no hook is given (module docstring)."""
     if dist.get_world_size(process_group) == 1:
-        return Local()
-    if on_cpu and dist.get_backend(process_group) == "gloo":
-        # The one link from the core to the CPU transports.
-        from ddptrain import cpu
-
-        chosen = cpu.default_transport(process_group)
+        return SingleRank()
+    if on_cpu and dist.get_backend(process_group) == "gloo" and _cpu_transport is not None:
+        chosen = _cpu_transport(process_group)
         if chosen is not None:
             return chosen
     return AllReduce(process_group)
+
+
+def cpu_forward_mode(module: nn.Module, claim: Claim) -> AbstractContextManager | None:
+    """The registered mode for a CPU module's synchronized forwards, or None."""
+    if _cpu_forward_mode is None or not module_on_cpu(module):
+        return None
+    return _cpu_forward_mode(module, claim)
 
 
 def refuse_shared_group(module: nn.Module, state: object) -> None:
@@ -287,3 +205,173 @@ def refuse_shared_group(module: nn.Module, state: object) -> None:
 def module_on_cpu(module: nn.Module) -> bool:
     """Whether every parameter of `module` is on the CPU."""
     return all(p.device.type == "cpu" for p in module.parameters())
+
+
+# ----------------------------------------------------------------------------- running hooks
+class Job:
+    """One submitted function: `wait()` returns its result or re-raises its error."""
+
+    def __init__(self, runner: OrderedRunner, fn: Callable, args: tuple, on_wait: bool) -> None:
+        self._runner, self.fn, self.args = runner, fn, args
+        self.on_wait = on_wait
+        self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def wait(self) -> Any:
+        self._runner.wait_for(self)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class OrderedRunner:
+    """Runs jobs one at a time in submission order: on a worker thread, or on a thread that
+    waits for a job (it runs any not yet started ahead of it, then its own).
+
+        job = runner.submit(fn, a, b)            # the worker runs fn(a, b) while the caller goes on
+        now = runner.submit(fn, a, wake=False)   # left to the caller, who waits at once:
+        now.wait()                               # it runs here, with no thread wake-up
+        runner.close()                           # jobs not started yet are cancelled
+
+    The worker never starts a job submitted with wake=False, nor is it woken for one: its
+    waiter, who waits at once, runs it without the two thread wake-ups (and GIL hand-offs)
+    that cost ~0.1 ms each on a busy machine."""
+
+    def __init__(self, name: str = "ddptrain-runner") -> None:
+        lock = threading.Lock()
+        self._work_ready = threading.Condition(lock)  # the worker sleeps here
+        self._job_done = threading.Condition(lock)  # waiters sleep here
+        self._queue: collections.deque[Job] = collections.deque()
+        self._busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args: Any, wake: bool = True) -> Job:
+        """Queue fn(*args); wake=False: for the thread that will wait for it at once."""
+        job = Job(self, fn, args, on_wait=not wake)
+        with self._work_ready:
+            if self._closed:
+                raise RuntimeError(
+                    "closed: an earlier reduction failed (see its error), or shutdown() ran"
+                )
+            self._queue.append(job)
+            if wake:
+                self._work_ready.notify()
+        return job
+
+    def wait_for(self, job: Job) -> None:
+        with self._job_done:
+            while not job.done:
+                if not self._busy and self._queue:
+                    self._run_next()
+                else:
+                    self._job_done.wait()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Cancel the jobs not yet started (their wait() raises) and stop the worker, waiting
+        up to timeout_s for a job it is running. After an error a queued job may be a
+        collective the other ranks never join, so none is started here."""
+        with self._work_ready:
+            self._closed = True
+            while self._queue:
+                job = self._queue.popleft()
+                job.error = RuntimeError("cancelled: the runner was closed before it started")
+                job.done = True
+            self._job_done.notify_all()
+            self._work_ready.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    def _worker_may_start(self) -> bool:
+        head = self._queue[0] if self._queue else None
+        return not self._busy and head is not None and not head.on_wait
+
+    def _work(self) -> None:
+        with self._work_ready:
+            while not self._closed:
+                if self._worker_may_start():
+                    self._run_next()
+                else:
+                    self._work_ready.wait()
+
+    def _run_next(self) -> None:
+        # Called holding the lock; runs the job without it.
+        job = self._queue.popleft()
+        self._busy = True
+        self._work_ready.release()
+        try:
+            job.result = job.fn(*job.args)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the waiter
+            job.error = e
+        finally:
+            self._work_ready.acquire()
+            self._busy = False
+            job.done = True
+            self._job_done.notify_all()
+            if self._worker_may_start():
+                self._work_ready.notify()
+
+
+# ----------------------------------------------------------------------------- process groups
+# What ddptrain.shutdown() closes before it destroys the groups: transports' worker threads and
+# their own groups. A group left alive until the interpreter exits may still have a gloo thread
+# releasing a finished collective's tensors, which takes the GIL that an exiting interpreter no
+# longer gives: a C++ abort ("terminate called without an active exception") instead of exit 0.
+_closers: list[weakref.WeakMethod] = []
+# init_distributed's timeout_s, which transports that wait outside the backend use too.
+_timeout_s = 300.0
+
+
+def timeout_s() -> float:
+    """Seconds a rank waits for its peers before a collective fails (init_distributed's)."""
+    return _timeout_s
+
+
+def set_timeout_s(seconds: float) -> None:
+    """Set what timeout_s() returns (ddptrain.init_distributed does)."""
+    global _timeout_s
+    _timeout_s = float(seconds)
+
+
+def close_at_shutdown(method: Callable[[], None]) -> None:
+    """Have shutdown() call `method` first (a bound method; its object is held weakly)."""
+    _closers.append(weakref.WeakMethod(method))
+
+
+def run_closers() -> None:
+    """Call every method registered with close_at_shutdown, newest first, once."""
+    closers = [ref() for ref in reversed(_closers)]
+    _closers.clear()
+    for close in closers:
+        if close is not None:
+            close()
+
+
+def resolve(group: Any) -> Any:
+    """The process group object `group` names (None: the default group)."""
+    return dist.group.WORLD if group is None else group
+
+
+def global_rank(group: Any, group_rank: int) -> int:
+    """The default group's rank of `group`'s rank `group_rank` (None: the default group)."""
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def new_group_like(group: Any, backend: str | None = None) -> Any:
+    """Collective on the default group: a new group of `group`'s ranks (None: every rank)."""
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend=backend)
+
+
+def release_group(group: Any) -> None:
+    """Destroy a group made with new_group(), unless shutdown() destroyed it already."""
+    if group is None or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # no longer registered: destroyed with the default group
+        pass

@@ -1,25 +1,30 @@
 """The wrapper's backward: buckets filled as gradients arrive, reduced while autograd goes on.
 
-    reducer = Reducer(params, names, transport_or_none, group, buffers, caps, as_view, rebuild)
-    reducer.use_hook(state, hook)            # torch's hook(state, bucket) -> Future
-    reducer.prepare_for_forward(sync=True)   # a synchronized backward follows
-    loss.backward()                          # per-parameter hooks -> fill -> launch -> finalize
-    reducer.reduce_gradients()               # the same from .grad, with no backward of its own
-    reducer.flag_next_sync(1)                # a value carried with the next reduction ...
-    reducer.synced_flag                      # ... summed over ranks once it has run
+    reducer = Reducer(params, names, group, buffers, cap_bytes, first_cap_bytes, as_view, True)
+    reducer.use_hook(state, hook)                # torch's hook(state, bucket) -> Future
+    reducer.prepare_for_forward(True, False)     # a synchronized backward follows
+    loss.backward()                              # hooks -> Bucket.fill -> launch -> finalize
+    reducer.reduce_gradients()                   # the same from .grad, with no backward
+    reducer.carry(1)                             # extension point: summed over ranks with the
+    reducer.carried                              # next reduction, at no collective of its own
 
-A hook on each parameter fires when its gradient is accumulated; it copies the gradient into its
-bucket slot (divided by world_size when the hook is a Transport), and once a bucket is full its
-reduction is handed to the communication thread (runner.py), which runs the comm hook of one
-bucket at a time, in bucket order, and waits for its future before the next. A callback queued
-on the autograd engine fills what did not arrive, reduces the last bucket itself, waits for the
-others, and points each `.grad` at its slot or copies the mean into it. The first synchronized
-backward records the order gradients become ready; buckets are then rebuilt once in rank 0's.
+A hook on each parameter fires when autograd has accumulated its gradient: it copies it into
+the parameter's slot in its `Bucket` (divided by world_size for a Transport); a full bucket's
+reduction goes to the communication thread (hooks.OrderedRunner), which runs the comm hook of
+one bucket at a time, in bucket order. A callback queued on the autograd engine (`finalize`)
+fills the slots no gradient reached, reduces the last bucket itself, waits for the others and
+points each `.grad` at its slot (or copies the mean into it). Buckets are rebuilt once, after
+the first synchronized backward, in the order rank 0 saw gradients become ready.
+
+The last bucket ends with a tail the transport sums with the gradients: a "used here" flag per
+parameter (one no rank used keeps grad=None), then the value of `carry`, the extension point
+the Trainer's stop at a step boundary rides on. With a torch hook it is one small all_reduce.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import time
 import weakref
 from collections.abc import Callable
@@ -27,15 +32,40 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
-from ddptrain.ddp import marks
-from ddptrain.ddp.buckets import build_layout, fill_slot
-from ddptrain.ddp.buffers import ModelBuffers
-from ddptrain.ddp.groups import close_at_shutdown, global_rank
-from ddptrain.ddp.hooks import CommHook, GradBucket, Transport, transport_hook
-from ddptrain.ddp.linear_grads import has_other_hooks, will_accumulate
-from ddptrain.ddp.runner import OrderedRunner
-from ddptrain.ddp.step import StepState
+from ddptrain.ddp.buckets import Bucket, build_layout, fill_slot, zeros
+from ddptrain.ddp.hooks import (
+    CommHook,
+    GradBucket,
+    OrderedRunner,
+    Transport,
+    close_at_shutdown,
+    global_rank,
+    transport_hook,
+)
+from ddptrain.ddp.replicas import ModelBuffers
+
+# Spans in torch.profiler traces are off unless ddptrain.profiling turns them on while it
+# traces: record_function has a cost even with no profiler, and hooks run per parameter.
+tracing = False
+_OFF = contextlib.nullcontext()
+
+
+def span(name: str, index: int | None = None) -> contextlib.AbstractContextManager[Any]:
+    """A record_function span named `name` (plus ` {index}`) while tracing, else a no-op."""
+    if not tracing:
+        return _OFF
+    return record_function(name if index is None else f"{name} {index}")
+
+
+class Phase(enum.Enum):
+    """Where the wrapper is between one synchronized backward and the next."""
+
+    IDLE = "idle"  # no forward since the last synchronized backward
+    ACCUMULATING = "accumulating"  # a forward ran under no_sync(): its backward only accumulates
+    ARMED = "armed"  # a synchronized forward ran: its backward reduces
+    REDUCING = "reducing"  # that backward has started: buckets fill and launch
 
 
 class Reducer:
@@ -60,15 +90,22 @@ class Reducer:
         self._as_view, self._rebuild = as_view, rebuild
         # False inside no_sync(): a backward then only accumulates.
         self.sync = True
+        self.phase = Phase.IDLE
         self.synchronized_once = False
         # Seconds the last synchronized backward waited for its buckets after autograd was
         # done: the communication that overlap did not hide (the Trainer logs it as comm_s).
         self.last_comm_wait_s = 0.0
-        # What flag_next_sync gave for the next reduction, and the sum over ranks the last one
-        # carried (None: none has run since flag_next_sync).
-        self._flag_value = 0
-        self.synced_flag: int | None = None
+        self._carry_value = 0
+        self.carried: int | None = None
         self._index_of = {id(p): i for i, p in enumerate(params)}
+        n = len(params)
+        # Per parameter, reset after every synchronized backward: its gradient arrived in this
+        # backward; autograd wrote it into the slot itself (claim_slot); it was used here
+        # since the last synchronized backward, no_sync passes included.
+        self.ready, self.claimed, self.used = [False] * n, [False] * n, [False] * n
+        # A forward asked for rank 0's buffers with the last bucket (norm statistics only).
+        self.sync_buffers = False
+        self._next_bucket = 0
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)
         ]
@@ -83,89 +120,74 @@ class Reducer:
     # ----------------------------------------------------------------------------- hook
     def use_hook(self, state: object, hook: CommHook) -> None:
         """Reduce buckets with `hook(state, bucket)`; a Transport state also places them, sums
-        gradients already divided by world_size and carries the used flags in the last tail."""
+        gradients already divided by world_size and carries the tail with the last bucket."""
         self.hook_state, self.hook = state, hook
         self.transport = state if isinstance(state, Transport) else None
-        self._direct = self.transport if hook is transport_hook else None
+        # transport_hook's work without building its future, on the hot path once per bucket.
+        self._reduce_in_place = self.transport if hook is transport_hook else None
         self.buffers.transport = self.transport
         self.divisor = self.world_size if self.transport is not None else 1
         self._build_buckets(list(reversed(range(len(self.params)))))
         self._ready_order: list[int] | None = [] if self._rebuild else None
-        self._step = StepState(len(self.params), self.bucket_lens, self.divisor)
 
     def set_divisor(self, divisor: int) -> None:
         """A transport's reductions divide by `divisor` from now on (join: ranks still training)."""
         if self.transport is not None:
-            self.divisor = self._step.divisor = divisor
+            self.divisor = divisor
+
+    def carry(self, value: int) -> None:
+        """Extension point: a small non-negative integer summed over ranks with the next
+        synchronized reduction, at no collective of its own (exact up to 256 in a bf16 bucket,
+        2048 in fp16). `carried` holds the sum (ranks that carried nothing count 0) once that
+        reduction ran, None until then."""
+        self._carry_value, self.carried = int(value), None
 
     # ----------------------------------------------------------------------------- buckets
     def _build_buckets(self, order: list[int]) -> None:
         transport = self.transport
+        n = len(self.params)
         layout = build_layout(
             self.params,
             order,
             *self._caps,
-            transport.allocate if transport is not None else _zeros,
+            transport.allocate if transport is not None else zeros,
             self._as_view,
-            flags=transport is not None,
+            tail=n + 1 if transport is not None else 0,
         )
-        # Unpacked: the hooks read these once per parameter per step.
         self.bucket_order = layout.order
-        self.bucket_params = layout.members
-        self._buckets = layout.flats
         self._views = layout.views
-        self._param_bucket = layout.bucket_of
-        # The used flags and the synced value after them, written and read back in one copy.
-        self._flag_tail = (
-            layout.flats[-1][-len(self.params) - 1 :] if layout.used_flags is not None else None
-        )
         self._grad_is_view = layout.grad_is_view
-        self.bucket_lens = layout.lens
+        self._tail = layout.tail
         last = len(layout.flats) - 1
-        # What the hook is handed: for a transport, the last flat tensor with its flags.
-        self.grad_buckets = [
-            GradBucket(
-                b,
-                flat,
-                [self._views[i] for i in members],
-                [self.params[i] for i in members],
-                b == last,
-            )
+        self.buckets = [
+            Bucket(b, flat, members, self._views, self.params, b == last)
             for b, (flat, members) in enumerate(zip(layout.flats, layout.members, strict=True))
         ]
-
-    # ----------------------------------------------------------------------------- flags
-    def flag_next_sync(self, value: int) -> None:
-        """Carry `value` (a small non-negative integer) with the next synchronized reduction;
-        `synced_flag` is then its sum over ranks (ranks that gave none count 0)."""
-        self._flag_value = int(value)
-        self.synced_flag = None
+        self._bucket_of = [self.buckets[b] for b in layout.bucket_of]
 
     # ----------------------------------------------------------------------------- forward
     def prepare_for_forward(self, synchronized: bool, buffers_with_gradients: bool) -> None:
         """A forward starts: its backward reduces (synchronized) or only accumulates; rank 0's
         buffers travel with the last bucket (buffers_with_gradients)."""
-        step = self._step
         if synchronized:
-            step.armed = True
-            step.sync_buffers = step.sync_buffers or buffers_with_gradients
-        elif torch.is_grad_enabled():
-            step.no_sync_forward = True
+            self.phase = Phase.ARMED
+            self.sync_buffers = self.sync_buffers or buffers_with_gradients
+        elif torch.is_grad_enabled() and self.phase is Phase.IDLE:
+            self.phase = Phase.ACCUMULATING
 
     def claim_slot(self, param: torch.Tensor) -> tuple[torch.Tensor, float] | None:
         """The bucket view autograd may compute `param`'s gradient into, and the factor to
-        scale it by there; once per backward, only where no one would see the difference
-        (see linear_grads.py)."""
+        scale it by there (a transport's forward_mode asks: ddptrain/cpu/linear_slots.py);
+        once per backward, only where no one would see the difference."""
         index = self._index_of.get(id(param))
-        step = self._step
-        if index is None or not (self.sync and step.armed and self._grad_is_view[index]):
+        if index is None or not self.sync or self.phase not in (Phase.ARMED, Phase.REDUCING):
             return None
-        if param.grad is not None or step.claimed[index] or has_other_hooks(param):
+        if not self._grad_is_view[index] or param.grad is not None or self.claimed[index]:
             return None
-        if not will_accumulate(self._grad_accs[index]):
+        if has_other_hooks(param) or not will_accumulate(self._grad_accs[index]):
             return None  # torch.autograd.grad, or backward(inputs=) without this parameter
-        step.claimed[index] = True
-        return self._views[index], 1.0 / step.divisor
+        self.claimed[index] = True
+        return self._views[index], 1.0 / self.divisor
 
     # ----------------------------------------------------------------------------- backward
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -175,95 +197,117 @@ class Reducer:
         return hook
 
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
-        step = self._step
-        step.used[index] = True
+        self.used[index] = True
         if not self.sync:
             return
-        step.check_arrival(index, self.names[index], param.grad)
-        if not step.callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
-            step.callback_queued = True
-        step.ready[index] = True
+        if self.phase is not Phase.REDUCING:
+            self._start_reducing(index)
+        elif self.ready[index]:
+            raise RuntimeError(
+                f"gradient of '{self.names[index]}' became ready twice in one backward"
+            )
+        if param.grad is not None and param.grad.requires_grad:
+            raise RuntimeError(
+                "backward(create_graph=True) is not supported under DistributedDataParallel "
+                "(nor under torch's): averaged gradients are written into buckets outside "
+                "autograd. For a gradient penalty, take torch.autograd.grad(loss, params, "
+                "create_graph=True), add the penalty to the loss, then call backward() on it"
+            )
+        self.ready[index] = True
         if self._ready_order is not None:
             self._ready_order.append(index)
-        bucket = self._param_bucket[index]
-        with marks.mark("ddptrain.fill bucket", bucket):
-            self._fill_view(index, param.grad)
+        bucket = self._bucket_of[index]
+        with span("ddptrain.fill bucket", bucket.grad_bucket.index()):
+            self._fill(index, param.grad)
         if self._grad_is_view[index]:
             # Point .grad at its slot now, not when backward ends: autograd's private gradient
             # is freed as soon as it is copied, so no rank holds a whole extra copy at its peak.
             param.grad = self._views[index]
-        step.pending[bucket] -= 1
-        if step.pending[bucket] == 0:
+        if bucket.arrived():
             self._launch_ready_buckets()
 
-    def _fill_view(self, index: int, grad: torch.Tensor | None) -> None:
-        step = self._step
+    def _start_reducing(self, index: int) -> None:
+        """The first gradient of a synchronized backward: check the forward armed it, queue
+        the callback that ends it."""
+        name = self.names[index]
+        if self.phase is Phase.ACCUMULATING:
+            raise RuntimeError(
+                f"gradient of '{name}' arrived in a backward outside no_sync() whose forward ran "
+                "inside it: the forward decides whether gradients are averaged. Run the forward "
+                "and its backward both inside no_sync() (to accumulate) or both outside (to "
+                "synchronize)"
+            )
+        if self.phase is Phase.IDLE:
+            raise RuntimeError(
+                f"gradient of '{name}' arrived with no forward pass since the last synchronized "
+                "backward: backward was called twice on one forward under "
+                "DistributedDataParallel. Run a new forward before each backward, or use "
+                "no_sync() for the extra backward passes"
+            )
+        self.phase = Phase.REDUCING
+        torch.autograd.Variable._execution_engine.queue_callback(self.finalize)
+
+    def _fill(self, index: int, grad: torch.Tensor | None) -> None:
         self._scratch = fill_slot(
-            self._views[index], grad, step.divisor, step.claimed[index], self._scratch
+            self._views[index], grad, self.divisor, self.claimed[index], self._scratch
         )
 
     def _launch_ready_buckets(self) -> None:
-        step = self._step
-        last = len(self._buckets) - 1
-        while step.next_bucket <= last and step.pending[step.next_bucket] == 0:
-            b = step.next_bucket
-            if b == last and self._flag_tail is not None:
-                tail = [*step.used, self._flag_value]
-                self._flag_tail.copy_(torch.tensor(tail, dtype=self._flag_tail.dtype))
-            with marks.mark("ddptrain.launch bucket", b):
+        last = len(self.buckets) - 1
+        while self._next_bucket <= last and self.buckets[self._next_bucket].pending == 0:
+            b = self._next_bucket
+            if b == last and self._tail is not None:
+                tail = [*self.used, self._carry_value]
+                self._tail.copy_(torch.tensor(tail, dtype=self._tail.dtype))
+            with span("ddptrain.launch bucket", b):
                 # The last bucket is waited for as soon as backward ends: the waiting thread
                 # runs it, sparing two thread wake-ups on the critical path.
-                step.jobs[b] = self._runner.submit(self._reduce_bucket, b, wake=b != last)
-            step.next_bucket += 1
+                self.buckets[b].launch(self._runner, self._reduce, wait_at_once=b == last)
+            self._next_bucket += 1
 
-    def _reduce_bucket(self, b: int) -> torch.Tensor:
-        """Run the comm hook on bucket b and wait for its future (the communication thread,
+    def _reduce(self, bucket: GradBucket) -> torch.Tensor:
+        """Run the comm hook on one bucket and wait for its future (the communication thread,
         or the thread waiting for the last bucket)."""
-        bucket = self.grad_buckets[b]
-        with marks.mark("ddptrain.reduce bucket", b), torch.no_grad(), _on(bucket.buffer()):
-            if self._direct is not None:
-                # transport_hook's work without its future: ~10 us a bucket on a slow CPU.
-                self._direct.reduce(bucket)
-                return bucket.buffer()
-            return self.hook(self.hook_state, bucket).wait()
+        with span("ddptrain.reduce bucket", bucket.index()), torch.no_grad():
+            with _on_device(bucket.buffer()):
+                if self._reduce_in_place is not None:
+                    self._reduce_in_place.reduce(bucket)
+                    return bucket.buffer()
+                return self.hook(self.hook_state, bucket).wait()
 
     def finalize(self) -> None:
         """End one synchronized backward (queued on the autograd engine): every `.grad` is the
         mean over ranks when it returns."""
-        with marks.mark("ddptrain.finalize"):
+        with span("ddptrain.finalize"):
             self._finalize_buckets()
 
     def reduce_gradients(self, divisor: int | None = None) -> None:
         """Collective: reduce what `.grad` holds (None counts as zero) as a synchronized
         backward would; for a rank with no backward of its own to run (joined)."""
-        self._step = StepState(len(self.params), self.bucket_lens, self.divisor)
+        self._reset_step()
         if divisor is not None:
             self.set_divisor(divisor)
-        self._step.used = [p.grad is not None for p in self.params]
+        self.used = [p.grad is not None for p in self.params]
+        self.phase = Phase.REDUCING
         self.finalize()
 
     def _finalize_buckets(self) -> None:
-        step = self._step
         self.synchronized_once = True
         try:
-            for index, ready in enumerate(step.ready):
+            for index, ready in enumerate(self.ready):
                 if not ready:
                     # No gradient here this backward: contribute what is accumulated (no_sync)
                     # or zero, so every rank still reduces every bucket.
-                    self._fill_view(index, self.params[index].grad)
-                    step.pending[self._param_bucket[index]] -= 1
+                    self._fill(index, self.params[index].grad)
+                    self._bucket_of[index].arrived()
             self._launch_ready_buckets()
             started = time.perf_counter()
-            for b, job in enumerate(step.jobs):
-                with marks.mark("ddptrain.wait bucket", b):
-                    result = job.wait()
-                flat = self.grad_buckets[b].buffer()
-                if result is not None and result.data_ptr() != flat.data_ptr():
-                    flat.copy_(result.view(-1))
-            used_anywhere = self._exchange_flags(step.used)
-            if step.sync_buffers:
-                with marks.mark("ddptrain.buffers"):
+            for b, bucket in enumerate(self.buckets):
+                with span("ddptrain.wait bucket", b):
+                    bucket.wait()
+            used_anywhere = self._sum_tail()
+            if self.sync_buffers:
+                with span("ddptrain.buffers"):
                     self.buffers.sync(0)
             self.last_comm_wait_s = time.perf_counter() - started
             if self._ready_order is not None:
@@ -274,22 +318,29 @@ class Reducer:
             self._runner.close()
             raise
         finally:
-            self._step = StepState(len(self.params), self.bucket_lens, self.divisor)
+            self._reset_step()
 
-    def _exchange_flags(self, used: list[bool]) -> list[bool]:
-        """Which parameters got a gradient on some rank, and `synced_flag`: from the last
-        bucket's tail, where a transport summed them, else one small all_reduce."""
-        if self._flag_tail is not None:
-            *sums, value = self._flag_tail.tolist()
-            used_anywhere, total = [v != 0 for v in sums], round(value)
+    def _reset_step(self) -> None:
+        n = len(self.params)
+        self.ready, self.claimed, self.used = [False] * n, [False] * n, [False] * n
+        self.sync_buffers, self._next_bucket, self.phase = False, 0, Phase.IDLE
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def _sum_tail(self) -> list[bool]:
+        """The tail's sums over ranks: which parameters got a gradient on some rank (returned),
+        and `carried`. A transport summed them in the last bucket; else one small all_reduce."""
+        if self._tail is not None:
+            *sums, total = self._tail.tolist()
+            used_anywhere, total = [v != 0 for v in sums], round(total)
         elif self.world_size == 1:
-            used_anywhere, total = list(used), self._flag_value
+            used_anywhere, total = list(self.used), self._carry_value
         else:
-            device = self._buckets[0].device if self._buckets else torch.device("cpu")
-            flags = torch.tensor([*used, self._flag_value], dtype=torch.int32, device=device)
-            dist.all_reduce(flags, group=self.process_group)
-            used_anywhere, total = (flags[:-1] != 0).tolist(), int(flags[-1])
-        self._flag_value, self.synced_flag = 0, total
+            device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
+            tail = torch.tensor([*self.used, self._carry_value], dtype=torch.int32, device=device)
+            dist.all_reduce(tail, group=self.process_group)
+            used_anywhere, total = (tail[:-1] != 0).tolist(), int(tail[-1])
+        self._carry_value, self.carried = 0, total
         return used_anywhere
 
     def _point_grads(self, used_anywhere: list[bool]) -> None:
@@ -315,7 +366,7 @@ class Reducer:
         # Never-ready parameters go last; rank 0 decides because ranks may see different
         # orders (a branch used on some ranks only) and every rank must build the same buckets.
         proposal = list(observed) + [i for i in reversed(range(n)) if i not in observed]
-        order = torch.tensor(proposal, dtype=torch.int64, device=self._buckets[0].device)
+        order = torch.tensor(proposal, dtype=torch.int64, device=self.buckets[0].flat.device)
         if self.world_size > 1:
             src = global_rank(self.process_group, 0)
             dist.broadcast(order, src=src, group=self.process_group)
@@ -329,13 +380,21 @@ class Reducer:
                 new.copy_(old)
 
 
-def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.zeros(numel, dtype=dtype, device=device)
-
-
-def _on(tensor: torch.Tensor) -> Any:
+def _on_device(tensor: torch.Tensor) -> Any:
     """The tensor's CUDA device as current (on the communication thread), else nothing."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else _NO_DEVICE
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else _OFF
 
 
-_NO_DEVICE = contextlib.nullcontext()
+def will_accumulate(grad_acc: Any) -> bool:
+    """Whether the running backward will accumulate into .grad through this AccumulateGrad."""
+    try:
+        return torch._C._will_engine_execute_node(grad_acc)
+    except RuntimeError:
+        # torch refuses the question for a leaf during torch.autograd.grad(), which returns
+        # gradients and accumulates none.
+        return False
+
+
+def has_other_hooks(param: torch.Tensor) -> bool:
+    """Hooks besides the wrapper's that would see a gradient before the wrapper scales it."""
+    return bool(param._backward_hooks) or len(param._post_accumulate_grad_hooks or ()) > 1

@@ -1,13 +1,24 @@
-"""Making replicas: the same model on every rank, and rank 0's values broadcast into it.
+"""Making replicas: the same model on every rank, rank 0's values broadcast into it, and
+rank 0's buffers sent again at every step.
 
     verify_same_model(list(m.named_parameters()), list(m.named_buffers()), group)
     chunks = coalesce([p.detach() for p in m.parameters()] + list(m.buffers()))
     broadcast_coalesced(chunks, group)           # every rank now holds rank 0's values
+    buffers = ModelBuffers(module, group)
+    if buffers and not buffers.follow_gradients():       # a forward that may read them
+        buffers.sync(src=0)                              # collective: rank 0's, in place
 
-The wrapper calls these at construction, and on its buffer chunks at every step when
-broadcast_buffers=True (ddp/buffers.py says when). Comparing shapes first turns a mismatched
-model into the same clear error on every rank, where a broadcast of different sizes would hang
-or corrupt.
+The wrapper calls these at construction, and on its buffers at every step when
+broadcast_buffers=True. Comparing shapes first turns a mismatched model into the same clear
+error on every rank, where a broadcast of different sizes would hang or corrupt.
+
+Official DDP broadcasts rank 0's buffers before every forward. A norm layer in training mode
+(BatchNorm, InstanceNorm, SyncBatchNorm: torch's _NormBase) normalizes with the batch's own
+statistics and only writes its running ones, so for a model whose every buffer is such a
+statistic, rank 0's values as its forward left them can travel with the last bucket instead:
+training is the same, the ranks meet once per step instead of twice, and every rank ends the
+step with rank 0's statistics. Any other buffer, and a norm layer in eval mode, may be read by
+the forward, so those are sent before it.
 """
 
 from __future__ import annotations
@@ -16,9 +27,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.modules.batchnorm import _NormBase
 
-from ddptrain.ddp.groups import global_rank
+from ddptrain.ddp.hooks import Transport, global_rank
 
 # Broadcasts at construction and of buffers are coalesced in pieces of this size, as the
 # official wrapper does, so a huge model does not need a second full copy in one flat tensor.
@@ -93,3 +106,30 @@ def broadcast_coalesced(chunks: list[list[torch.Tensor]], group: Any, src: int =
         if receive:
             for t, synced in zip(chunk, _unflatten_dense_tensors(flat, chunk), strict=True):
                 t.copy_(synced)
+
+
+class ModelBuffers:
+    """A module's buffers, and how to make every rank's equal to one rank's."""
+
+    def __init__(self, module: nn.Module, process_group: Any) -> None:
+        self.tensors = list(module.buffers())
+        self._chunks = coalesce(self.tensors)
+        self._group = process_group
+        # A transport with a broadcast of its own (shared memory) saves the backend's round trip.
+        self.transport: Transport | None = None
+        owners = [m for m in module.modules() if next(m.buffers(recurse=False), None) is not None]
+        self._norm_layers = [m for m in owners if isinstance(m, _NormBase)]
+        self._only_norm_statistics = len(self._norm_layers) == len(owners)
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    def follow_gradients(self) -> bool:
+        """Whether a forward now may leave them to the gradients: it cannot read them."""
+        return self._only_norm_statistics and all(layer.training for layer in self._norm_layers)
+
+    @torch.no_grad()
+    def sync(self, src: int) -> None:
+        """Collective: every rank's buffers become rank `src`'s."""
+        if self.transport is None or not self.transport.broadcast(self.tensors, src):
+            broadcast_coalesced(self._chunks, self._group, src)

@@ -11,17 +11,14 @@
     loss_fn(model(x2), y2).backward()                # reduces the accumulated sum
 
     model.register_comm_hook(state, hook)            # torch's hook protocol (ddp/hooks.py)
-    ddptrain.DDP(net, comm_hook="powersgd")          # compressed gradients (compress/powersgd.py)
-    model.flag_next_sync(1)                          # rides the next reduction (no collective)
-    model.synced_flag                                # ... its sum over ranks, after backward
     with Join([model, optimizer]): ...               # torch's Join: uneven inputs (ddp/join.py)
 
-This module is the wrapper as torch's users meet it: construction (checks, rank 0's weights,
-the transport), the forward (buffers, the join's per-forward exchange, arming the backward) and
-the public collectives the join hook is built on. The backward itself, buckets filled as
-gradients arrive and reduced while autograd goes on, is reducer.py's. By default buckets go
-through a Transport (ddp/hooks.py): shared memory for CPU ranks on one host, TCP across hosts,
-nothing alone, else the backend's all_reduce. Buffers come from rank 0 (ddp/buffers.py).
+This module is the wrapper as torch's users meet it: construction (torch's arguments, checks,
+rank 0's weights, the transport), the forward (buffers, the join's per-forward exchange,
+arming the backward) and the public collectives the join hook is built on. The backward
+itself, buckets filled as gradients arrive and reduced while autograd goes on, is
+reducer.py's; the transports that carry buckets are reached through ddp/hooks.py; buffers and
+the replica checks are replicas.py's.
 """
 
 from __future__ import annotations
@@ -35,28 +32,30 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from ddptrain.ddp import compat
 from ddptrain.ddp.buckets import mb_to_bytes
-from ddptrain.ddp.buffers import ModelBuffers
-from ddptrain.ddp.groups import resolve
 from ddptrain.ddp.hooks import (
-    NAMES,
     CommHook,
-    Transport,
+    cpu_forward_mode,
+    default_transport,
     module_on_cpu,
-    named_hook,
     refuse_shared_group,
+    resolve,
     transport_hook,
 )
 from ddptrain.ddp.join import JoinContext, WrapperJoinHook
-from ddptrain.ddp.linear_grads import LinearSlots, slot_params
 from ddptrain.ddp.reducer import Reducer
-from ddptrain.ddp.replicas import broadcast_coalesced, coalesce, verify_same_model
+from ddptrain.ddp.replicas import (
+    ModelBuffers,
+    broadcast_coalesced,
+    coalesce,
+    verify_same_model,
+)
+from ddptrain.ddp.torch_args import move_inputs, torch_options
 
 
 class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel wrapper written on plain torch.distributed collectives; takes the
-    arguments of torch's `DistributedDataParallel` (ddp/compat.py says which apply).
+    arguments of torch's `DistributedDataParallel` (`torch_options` says which apply).
 
     Invariants:
     - Every rank wraps a model with the same parameters and buffers, in the same order, with the
@@ -99,7 +98,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         forward_sync_buffers: bool | None = None,
         *,
         first_bucket_cap_mb: float | None = None,
-        comm_hook: Transport | str | tuple[object, CommHook] | None = None,
+        comm_hook: tuple[object, CommHook] | None = None,
         rebuild_buckets: bool = True,
     ) -> None:
         super().__init__()
@@ -109,7 +108,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "DistributedDataParallel needs an initialized process group; "
                 "call ddptrain.init_distributed() (or torch.distributed.init_process_group) first"
             )
-        options = compat.torch_options(
+        options = torch_options(
             module,
             device_ids=device_ids,
             output_device=output_device,
@@ -136,8 +135,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._named_params = list(module.named_parameters())
         # Sizes of every module's parameter and child dicts, checked each forward: far cheaper
-        # than walking module.parameters() (~50 us/step on a small MLP), which is only needed
-        # once a module was added somewhere.
+        # than walking module.parameters(), which is only needed once a module was added.
         modules = list(module.modules())
         self._param_dicts = [m._parameters for m in modules]
         self._module_dicts = [m._modules for m in modules]
@@ -158,33 +156,24 @@ class DistributedDataParallel(nn.Module, Joinable):
             rebuild_buckets,
         )
         # A hook given here counts as registered: register_comm_hook then refuses another.
-        self._user_hook = isinstance(comm_hook, tuple) or comm_hook == "powersgd"
-        self.reducer.use_hook(*self._hook(comm_hook))
-        # The mode costs ~1 us of Python per torch call in the forward: entered only for large
-        # CPU Linear layers, where copying gradients is the cost it saves (memory bandwidth).
-        slotted = slot_params(modules) if gradient_as_bucket_view else []
-        self._linear_slots = LinearSlots(self.reducer.claim_slot, slotted) if slotted else None
+        self._user_hook = comm_hook is not None
+        self._use_hook(*self._hook(comm_hook))
         self.join_hook_in_use: WrapperJoinHook | None = None
 
-    def _hook(
-        self, comm_hook: Transport | str | tuple[object, CommHook] | None
-    ) -> tuple[object, CommHook]:
-        """Collective: the (state, hook) pair `comm_hook` names (None or "default": the default
-        transport; "powersgd": ddptrain's PowerSGD at rank 4 from step 100)."""
-        if isinstance(comm_hook, Transport):
-            return comm_hook, transport_hook
-        if comm_hook is None or isinstance(comm_hook, str):
-            on_cpu = module_on_cpu(self.module)
-            return named_hook(comm_hook or "default", self.process_group, on_cpu)
+    def _hook(self, comm_hook: tuple[object, CommHook] | None) -> tuple[object, CommHook]:
+        """Collective: the (state, hook) pair that reduces buckets (None: the default transport;
+        ddptrain.named_hook builds the others by name)."""
+        if comm_hook is None:
+            transport = default_transport(self.process_group, module_on_cpu(self.module))
+            return transport, transport_hook
         if isinstance(comm_hook, tuple) and len(comm_hook) == 2 and callable(comm_hook[1]):
             state, hook = comm_hook
             refuse_shared_group(self.module, state)
             return state, hook
         raise TypeError(
-            f"comm_hook must be a transport name (default, {', '.join(NAMES)}), 'powersgd', a "
-            "ddptrain.ddp.hooks.Transport or a (state, hook) pair, got "
-            f"{type(comm_hook).__name__}; register a hook(state, bucket) with "
-            "model.register_comm_hook(state, hook)"
+            "comm_hook must be a (state, hook) pair, as torch's register_comm_hook takes, got "
+            f"{type(comm_hook).__name__}; for a hook by name use "
+            "comm_hook=ddptrain.named_hook('bf16') (ddptrain/comm.py lists the names)"
         )
 
     # ----------------------------------------------------------------------------- hooks
@@ -202,8 +191,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         refuse_shared_group(self.module, state)
         if self.reducer.transport is not None:
             self.reducer.transport.close()
-        self.reducer.use_hook(state, hook)
+        self._use_hook(state, hook)
         self._user_hook = True
+
+    def _use_hook(self, state: object, hook: CommHook) -> None:
+        self.reducer.use_hook(state, hook)
+        # On the CPU, large Linear layers may compute their gradients straight into their
+        # bucket slots (ddptrain/cpu/linear_slots.py), where .grad is the slot itself.
+        self._forward_mode = None
+        if self.gradient_as_bucket_view:
+            self._forward_mode = cpu_forward_mode(self.module, self.reducer.claim_slot)
 
     @property
     def comm_hook(self) -> tuple[object, CommHook]:
@@ -214,15 +211,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     def bucket_param_names(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
         names = self.reducer.names
-        return [[names[i] for i in members] for members in self.reducer.bucket_params]
+        return [[names[i] for i in b.members] for b in self.reducer.buckets]
 
     @property
     def bucket_sizes_bytes(self) -> list[int]:
         """Gradient bytes per bucket, in launch order."""
         params = self.reducer.params
         return [
-            sum(params[i].numel() * params[i].element_size() for i in members)
-            for members in self.reducer.bucket_params
+            sum(params[i].numel() * params[i].element_size() for i in b.members)
+            for b in self.reducer.buckets
         ]
 
     @property
@@ -230,19 +227,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Seconds the last synchronized backward waited for its buckets after autograd was
         done: the communication overlap did not hide."""
         return self.reducer.last_comm_wait_s
-
-    def flag_next_sync(self, value: int = 1) -> None:
-        """Carry `value` (a small non-negative integer: a flag or a count) with the next
-        synchronized reduction, at no extra collective: it travels beside the used-parameter
-        flags (the last bucket's tail with a transport, else their small all_reduce)."""
-        self.reducer.flag_next_sync(value)
-
-    @property
-    def synced_flag(self) -> int | None:
-        """The sum over ranks of the values flagged for the last synchronized reduction (0 from
-        ranks that flagged none); None while the value flagged last has not travelled yet.
-        Exact for sums up to 256 in a bf16 bucket (2048 in fp16)."""
-        return self.reducer.synced_flag
 
     # ----------------------------------------------------------------------------- forward
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -268,9 +252,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             else:
                 with_gradients = synchronized
         self.reducer.prepare_for_forward(synchronized, with_gradients)
-        args, kwargs = compat.move_inputs(args, kwargs, self._input_device)
-        if synchronized and self._linear_slots is not None and not torch.compiler.is_compiling():
-            with self._linear_slots:
+        args, kwargs = move_inputs(args, kwargs, self._input_device)
+        if synchronized and self._forward_mode is not None and not torch.compiler.is_compiling():
+            with self._forward_mode:
                 return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
 

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.ddp.buckets import memory_order
-from ddptrain.ddp.groups import global_rank
-from ddptrain.fsdp.units import ParamRef, flat_layout
+from ddptrain.ddp.hooks import global_rank
+from ddptrain.fsdp.layout import ParamRef, flat_layout
 
 # torch 2.13's names; earlier versions have only the older ones (same arguments, same order).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -131,7 +131,7 @@ class Unit:
             if full.requires_grad != shard.requires_grad:
                 full.requires_grad_(shard.requires_grad)  # frozen or unfrozen since
             for module, name in owners:
-                # The dict itself: setattr's checks cost ~10 us per parameter, twice per step.
+                # The dict itself: setattr's checks, per parameter twice a step, add up.
                 module._parameters[name] = full
 
     def use_shards(self) -> None:

@@ -11,7 +11,7 @@
 Every parameter is kept as world_size shards, one per rank (fsdp/unit.py); between steps the
 module holds this rank's shard as each parameter, so an optimizer built on model.parameters()
 holds 1/world_size of the state. The model is cut into units (submodules named in `units`, or
-by size; fsdp/units.py), each gathered whole just before its forward and, with ZeRO-3, freed
+by size; fsdp/layout.py), each gathered whole just before its forward and, with ZeRO-3, freed
 after it and gathered again just before its backward. When a unit's backward is done, its
 gradients are reduce-scattered: each rank receives only its shard's piece of the mean. The
 next unit's gather is started before this one's forward or backward runs, and reduce-scatters
@@ -32,13 +32,12 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ddptrain.ddp.buffers import ModelBuffers
-from ddptrain.ddp.groups import close_at_shutdown, new_group_like, release_group
-from ddptrain.ddp.replicas import broadcast_coalesced, coalesce, verify_same_model
+from ddptrain.ddp.hooks import close_at_shutdown, new_group_like, release_group
+from ddptrain.ddp.replicas import ModelBuffers, broadcast_coalesced, coalesce, verify_same_model
 from ddptrain.fsdp import state
-from ddptrain.fsdp.step import Pass, PostBackward, check_no_late_gradients, check_same_order
+from ddptrain.fsdp.layout import DEFAULT_UNIT_MIN_NUMEL, choose_units, group_parameters
+from ddptrain.fsdp.passes import Pass, PostBackward, check_no_late_gradients, check_same_order
 from ddptrain.fsdp.unit import Unit
-from ddptrain.fsdp.units import DEFAULT_UNIT_MIN_NUMEL, choose_units, group_parameters
 
 # Reduce-scatters in flight at once: each holds a unit-sized send buffer. One overlaps the next
 # unit's backward; the one after it waits for it, so the gradient memory of a backward stays

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.ddp.groups import global_rank
+from ddptrain.ddp.hooks import global_rank
 
 # A big tensor is broadcast in place (a copy would cost what the saved call costs); smaller
 # ones are packed, per owner and dtype, into flat buckets of up to the cap.

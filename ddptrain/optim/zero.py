@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ddptrain.ddp.groups import resolve
+from ddptrain.ddp.hooks import resolve
 from ddptrain.optim.broadcast import broadcast_calls, plan_broadcasts
 from ddptrain.optim.partition import (
     Piece,

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from ddptrain.compress.powersgd import PowerSGDState, powersgd_hook
+from ddptrain.comm import named_hook
 from ddptrain.data import ShardedSampler
 from ddptrain.data.loader import batch_loader
 from ddptrain.ddp.buckets import DEFAULT_FIRST_BUCKET_CAP_MB
@@ -74,16 +74,16 @@ def wrap_model(
     )
 
 
-def comm_hook(cfg: TrainerConfig, module: nn.Module) -> str | tuple[object, CommHook]:
-    """Collective for "powersgd": the hook the config names, with its options."""
-    if cfg.comm_hook != "powersgd":
-        return cfg.comm_hook
-    state = PowerSGDState(
-        matrix_rank=cfg.powersgd_rank,
-        start_step=cfg.powersgd_start_step,
+def comm_hook(cfg: TrainerConfig, module: nn.Module) -> tuple[object, CommHook] | None:
+    """Collective: the (state, hook) the config names (None: the wrapper's default)."""
+    if cfg.comm_hook == "default":
+        return None
+    return named_hook(
+        cfg.comm_hook,
         on_cpu=module_on_cpu(module),
+        powersgd_rank=cfg.powersgd_rank,
+        powersgd_start_step=cfg.powersgd_start_step,
     )
-    return state, powersgd_hook
 
 
 def sampler(cfg: TrainerConfig, num_samples: int) -> ShardedSampler:

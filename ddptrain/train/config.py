@@ -13,18 +13,16 @@ import signal
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ddptrain.comm import NAMES
 from ddptrain.compress.powersgd import NAMED_RANK, NAMED_START_STEP
-from ddptrain.ddp.hooks import NAMES
 from ddptrain.train.log import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
 from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, signal_number
 
 # Settings that define the sample order and step size: a resumed run must keep them.
 RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last")
 PRECISIONS = ("fp32", "bf16", "fp16")
-# "default" is the wrapper's own choice (shared memory for CPU ranks on one host, its own TCP
-# ring for CPU ranks across hosts, else the backend's all_reduce); the rest are the transports
-# named in ddptrain.ddp.hooks.NAMES; "powersgd" compresses them (ddptrain.compress.powersgd).
-COMM_HOOKS = ("default", *NAMES, "powersgd")
+# The names ddptrain/comm.py resolves: "default" is the wrapper's own choice.
+COMM_HOOKS = NAMES
 NONFINITE_POLICIES = ("stop", "skip")
 # 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks;
 # 2: gradients too (reduce-scattered); 3: parameters too, gathered per unit as they are used.

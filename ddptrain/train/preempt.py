@@ -1,14 +1,14 @@
 """Stopping on a signal (or a lost launcher) at a step boundary, having saved that step.
 
-    stop = StopRequest()
-    with stop.catching(("SIGTERM", "SIGINT", "SIGUSR1")):     # the handlers only record
-        ...                                                  # each step, on every rank:
-        model.flag_next_sync(stop.wanted(save_due=...))      # rides the step's reduction
-        ...                                                  # forward, backward, optimizer
-        agreed = stop.agree(info, model.synced_flag)         # None, or what every rank wants
-        if agreed: save                                      # every rank; rank 0 writes
-        if agreed and agreed.stop:                           # a SystemExit with the code:
-            raise Preempted(agreed.exit_code, step, agreed.message(step, "saved ..."))
+    boundary = Boundary(cfg, info)
+    with boundary.stop.catching(boundary.signals):     # the handlers only record
+        ...                                            # each step, on every rank:
+        boundary.ride(model, lockstep=True)            # before the synchronized backward
+        ...                                            # forward, backward, optimizer
+        agreed = boundary.agree()                      # None, or what every rank wants
+        if agreed: save                                # every rank; rank 0 writes
+        if agreed and agreed.stop:                     # a SystemExit with the code:
+            raise boundary.stopped(agreed, step, saved_here=True)
 
 Why at a step boundary: a rank cannot save alone (rank 0 writes what every rank holds, and
 every rank must stop at the same step, or the others wait in a collective for it). A handler
@@ -16,9 +16,10 @@ that did more than record could run in the middle of a collective or of the save
 second SIGINT cannot abort a save half-way, since Python's KeyboardInterrupt is not raised while
 these handlers are installed. Every rank learns at the next boundary whether any rank wants to
 stop (or rank 0 wants a timed checkpoint): the value rides the step's gradient reduction
-(DistributedDataParallel.flag_next_sync, no collective of its own); a model without that
-method costs one small all_reduce per step. Only when some rank wants something do the ranks
-exchange why (one all_gather_object).
+through the DDP wrapper's one extension point (`model.reducer.carry`, no collective of its
+own); the sharded wrapper, and epochs whose ranks do not step together, cost one small
+all_reduce per step instead. Only when some rank wants something do the ranks exchange why
+(one all_gather_object).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class StopRequest:
         """Collective at a boundary: None when no rank wants anything, else what they agreed.
 
         `carried`: the sum over ranks of `wanted()` that the step's reduction carried (the
-        model's `synced_flag`); None runs one small all_reduce of `wanted(save_due)` instead."""
+        DDP reducer's `carried`); None runs one small all_reduce of `wanted(save_due)` instead."""
         total = carried
         if total is None:
             total = self.wanted(save_due)
@@ -182,6 +183,8 @@ class Boundary:
         self._minutes = cfg.checkpoint_every_minutes
         # The last save: rank 0's clock times checkpoint_every_minutes from it (or the start).
         self._saved_time, self._saved_path, self._save_s = time.monotonic(), None, 0.0
+        # The DDP reducer this step's value rides on (ride), until agree reads its sum.
+        self._riding: Any = None
 
     def on_launcher_lost(self) -> Any:
         """The heartbeat's callback when this rank's launcher is gone (None: stop at once)."""
@@ -193,13 +196,21 @@ class Boundary:
             return False
         return time.monotonic() - self._saved_time >= 60 * self._minutes
 
-    def wanted(self) -> int:
-        """This rank's value for the next boundary (to carry with the step's reduction)."""
-        return self.stop.wanted(self.save_due())
+    def ride(self, model: Any, lockstep: bool) -> None:
+        """Before a step's synchronized backward: this rank's value rides its reduction when
+        the model is the DDP wrapper and every rank takes the step (lockstep); else the
+        boundary asks with a small all_reduce. As late as possible: a signal that arrives
+        after this waits one more step."""
+        reducer = getattr(model, "reducer", None)
+        self._riding = reducer if self.enabled and lockstep and hasattr(reducer, "carry") else None
+        if self._riding is not None:
+            self._riding.carry(self.stop.wanted(self.save_due()))
 
-    def agree(self, carried: int | None) -> Agreed | None:
-        """Collective: None when no rank wants anything, else what they agreed (`carried`: the
-        sum the step's reduction carried; None asks with one small all_reduce)."""
+    def agree(self) -> Agreed | None:
+        """Collective at a step boundary: None when no rank wants anything, else what they
+        agreed (from what rode the step's reduction, or one small all_reduce)."""
+        carried = self._riding.carried if self._riding is not None else None
+        self._riding = None
         return self.stop.agree(self.info, carried, self.save_due())
 
     def saved(self, path: Any, seconds: float) -> None:

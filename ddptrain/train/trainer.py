@@ -36,7 +36,6 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddptrain import profiling
-from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
 from ddptrain.train import build, health, preempt, resume
 from ddptrain.train.config import TrainerConfig
@@ -255,9 +254,8 @@ class Trainer:
                     "with .mean() (or .sum() / batch size)"
                 )
             scaled = loss / micro
-            if sync and self._flags_ride:
-                # As late as possible: a signal that arrives after this waits one more step.
-                self.model.flag_next_sync(self._boundary.wanted())
+            if sync and self._boundary.enabled:
+                self._boundary.ride(self.model, self.epochs.lockstep)
             with profiling.mark("ddptrain.backward"):
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
         return scaled.detach().float()
@@ -283,11 +281,7 @@ class Trainer:
             self.step, self.epoch, lr, self.total_steps, force=not self.epochs.lockstep
         )
         self._maybe_evaluate(eval_set, epoch_done)
-        agreed = None
-        if self._boundary.enabled:
-            # In lockstep the step's reduction carried the answer; uneven epochs ask once.
-            carried = self.model.synced_flag if self._flags_ride else None
-            agreed = self._boundary.agree(carried)
+        agreed = self._boundary.agree() if self._boundary.enabled else None
         self._maybe_save(epoch_done, now=agreed is not None)
         if agreed is not None and agreed.stop:
             saved_here = self._out.progress.saved_at == self.step
@@ -334,13 +328,6 @@ class Trainer:
             self._out.progress.metrics = self._evaluate_and_log(eval_set)
         if self.config.checkpoint_dir and self._out.progress.saved_at != self.step:
             self._save()
-
-    @property
-    def _flags_ride(self) -> bool:
-        """Whether each step's reduction carries the boundary's question (lockstep, the DDP
-        wrapper's flag_next_sync); otherwise boundaries ask with a small all_reduce."""
-        ddp = isinstance(self.model, DistributedDataParallel)
-        return self._boundary.enabled and self.epochs.lockstep and ddp
 
     def _summary(self) -> dict[str, Any]:
         cfg, world_size = self.config, self.info.world_size

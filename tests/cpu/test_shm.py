@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from ddptrain.comm import named_hook
 from ddptrain.cpu.shm import _COUNTER_STRIDE, SHM_DIR, SharedMemory, _SharedBarrier
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import worlds
@@ -84,7 +85,7 @@ def test_shared_memory_all_reduce_equals_backend(world, world_size):
 
 def _case_default_hooks(info) -> tuple[str, str]:
     default = DistributedDataParallel(torch.nn.Linear(2, 2))
-    forced = DistributedDataParallel(torch.nn.Linear(2, 2), comm_hook="allreduce")
+    forced = DistributedDataParallel(torch.nn.Linear(2, 2), comm_hook=named_hook("allreduce"))
     return type(default.comm_hook[0]).__name__, type(forced.comm_hook[0]).__name__
 
 
@@ -92,7 +93,7 @@ def _case_default_hooks(info) -> tuple[str, str]:
 def test_default_hook_is_shared_memory_on_one_host_and_nothing_alone(world):
     """Ranks on one CPU host get shared-memory buckets by default; one process sends nothing."""
     assert worlds.outcome(world(2), "default_hooks") == [("SharedMemory", "AllReduce")] * 2
-    assert worlds.outcome(world(1), "default_hooks") == [("Local", "AllReduce")]
+    assert worlds.outcome(world(1), "default_hooks") == [("SingleRank", "AllReduce")]
 
 
 def test_shared_barrier_names_a_peer_that_died_and_times_out_on_a_silent_one():

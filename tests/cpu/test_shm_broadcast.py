@@ -9,8 +9,9 @@ import os
 
 import torch
 
+from ddptrain.compress.half import HalfPrecision
 from ddptrain.cpu.shm import SHM_DIR, SharedMemory
-from ddptrain.ddp.hooks import AllReduce, Cast
+from ddptrain.ddp.hooks import AllReduce
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import worlds
 from support.sums import needs_shm
@@ -50,7 +51,7 @@ def _case_broadcast(info) -> dict:
     strided = torch.zeros(4, 4).t()
     refused = hook.broadcast([strided], 0)
     # bf16 over shared memory passes buffers through untouched (not cast to bf16).
-    cast = Cast(torch.bfloat16, hook)
+    cast = HalfPrecision(torch.bfloat16, hook)
     precise = torch.full((3,), 1.0 + 2.0**-20 + info.rank)
     by_cast = cast.broadcast([precise], 0)
     hook.close()
@@ -60,7 +61,7 @@ def _case_broadcast(info) -> dict:
         "moved": moved,
         "refused_non_contiguous": refused,
         "cast": (by_cast, precise),
-        "cast_to_backend": Cast(torch.bfloat16, AllReduce()).broadcast([precise], 0),
+        "cast_to_backend": HalfPrecision(torch.bfloat16, AllReduce()).broadcast([precise], 0),
         "prefix": hook._prefix,
     }
 

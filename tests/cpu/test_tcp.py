@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from ddptrain.compress.half import HalfPrecision
 from ddptrain.cpu import shm, tcp
 from ddptrain.cpu.tcp import Socket
-from ddptrain.ddp.hooks import Cast, default_transport
+from ddptrain.ddp.hooks import default_transport
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import toy_models, worlds
 from support.sums import ATOL, NUMELS, RTOL, backend_sum, reduce_with
@@ -98,7 +99,7 @@ def test_sockets_numbered_above_1023_still_work(world):
 
 
 def _case_bf16_inside_cast_hook(info) -> tuple[bool, bool]:
-    hook = Cast(torch.bfloat16, Socket())
+    hook = HalfPrecision(torch.bfloat16, Socket())
     x = torch.randn(3000, generator=torch.Generator().manual_seed(info.rank))
     bucket = x.clone()
     reduce_with(hook, bucket)
@@ -108,7 +109,7 @@ def _case_bf16_inside_cast_hook(info) -> tuple[bool, bool]:
 
 
 def test_carries_bf16_buckets_inside_a_cast(world):
-    """Inside Cast the sockets carry bf16 bytes: the sum equals gloo's bf16 all_reduce."""
+    """Inside HalfPrecision the sockets carry bf16 bytes: the sum equals gloo's bf16 all_reduce."""
     assert worlds.outcome(world(2), "bf16") == [(True, True)] * 2
 
 

@@ -22,13 +22,13 @@ def _bf16(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros(numel, dtype=torch.bfloat16, device=device)
 
 
-def test_build_layout_gives_each_parameter_one_slot_and_flags_after_the_last_bucket_if_asked():
-    """Slots tile the buckets in launch order, without overlap; the flags and then the synced
-    value, when asked for, are the tail."""
+def test_build_layout_gives_each_parameter_one_slot_and_a_tail_after_the_last_bucket_if_asked():
+    """Slots tile the buckets in launch order, without overlap; the tail, when asked for, is the
+    last bucket's end."""
     params = [torch.empty(300), torch.empty(4, 5, 3, 3).to(memory_format=torch.channels_last)]
     params.append(torch.empty(1000))
     # 1.2 KB closes the first bucket after parameter 2; 0 and 1 share the second.
-    layout = build_layout(params, [2, 1, 0], 10**6, 1200, _zeros, as_view=True, flags=True)
+    layout = build_layout(params, [2, 1, 0], 10**6, 1200, _zeros, as_view=True, tail=4)
     assert layout.order == [2, 1, 0]
     assert layout.members == [[2], [1, 0]] and layout.lens == [1, 2]
     assert layout.bucket_of == [1, 1, 0]
@@ -38,23 +38,18 @@ def test_build_layout_gives_each_parameter_one_slot_and_flags_after_the_last_buc
     assert layout.views[1].data_ptr() == second.data_ptr()
     assert layout.views[0].data_ptr() == second[180:].data_ptr()
     assert layout.views[1].stride() == params[1].stride()
-    assert layout.used_flags.data_ptr() == second[480:].data_ptr()
-    assert layout.used_flags.numel() == 3
-    assert layout.sync_value.data_ptr() == second[483:].data_ptr()
-    assert layout.sync_value.numel() == 1
+    assert layout.tail.data_ptr() == second[480:].data_ptr()
+    assert layout.tail.numel() == 4
     assert layout.grad_is_view == [True, True, True]
-    plain = build_layout(params, [2, 1, 0], 10**6, 1200, _zeros, as_view=True, flags=False)
-    assert [f.numel() for f in plain.flats] == [1000, 180 + 300] and plain.used_flags is None
-    assert plain.sync_value is None
+    plain = build_layout(params, [2, 1, 0], 10**6, 1200, _zeros, as_view=True)
+    assert [f.numel() for f in plain.flats] == [1000, 180 + 300] and plain.tail is None
 
 
 def test_build_layout_makes_gradients_copies_where_the_bucket_dtype_differs():
     """A bucket in a narrower wire dtype (bf16), or as_view=False, never holds .grad itself."""
     params = [torch.empty(8), torch.empty(8)]
-    assert build_layout(params, [1, 0], 10**6, 10**6, _bf16, True, True).grad_is_view == [False] * 2
-    assert (
-        build_layout(params, [1, 0], 10**6, 10**6, _zeros, False, True).grad_is_view == [False] * 2
-    )
+    assert build_layout(params, [1, 0], 10**6, 10**6, _bf16, True, 3).grad_is_view == [False] * 2
+    assert build_layout(params, [1, 0], 10**6, 10**6, _zeros, False, 3).grad_is_view == [False] * 2
 
 
 def test_fill_slot_scales_copies_zeroes_and_corrects_every_case():

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.ddp.buffers import ModelBuffers
-from ddptrain.ddp.hooks import GradBucket, Transport
+from ddptrain.ddp.hooks import GradBucket, Transport, transport_hook
+from ddptrain.ddp.replicas import ModelBuffers
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import worlds
 
@@ -81,7 +81,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def _case_norm_statistics(info) -> dict:
     torch.manual_seed(0)
     hook = _Recorder()
-    model = DistributedDataParallel(_norm_net(), comm_hook=hook)
+    model = DistributedDataParallel(_norm_net(), comm_hook=(hook, transport_hook))
     buffers = list(model.module.buffers())
     out = {"train": [], "no_sync": None, "eval": None, "frozen": None}
     for step in range(3):
@@ -108,7 +108,7 @@ def _case_norm_statistics(info) -> dict:
 def _case_read_buffer(info) -> dict:
     torch.manual_seed(0)
     hook = _Recorder()
-    model = DistributedDataParallel(_Scaled(), comm_hook=hook)
+    model = DistributedDataParallel(_Scaled(), comm_hook=(hook, transport_hook))
     # Only rank 0 changes the buffer; the next forward must compute with its value everywhere.
     if info.rank == 0:
         model.module.scale.fill_(3.0)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from ddptrain.comm import named_hook
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import toy_models, worlds
 
@@ -83,7 +84,7 @@ def _one_step(model_name: str, rank: int, channels_last: bool = False, **options
             (
                 p.dim() == 4 and not p.is_contiguous(),
                 p.grad.stride() == p.stride(),
-                any(_inside(p.grad, b.buffer()) for b in ours.reducer.grad_buckets),
+                any(_inside(p.grad, b.flat) for b in ours.reducer.buckets),
             )
             for p in ours.module.parameters()
         ],
@@ -110,7 +111,7 @@ def _case_channels_last(info) -> dict:
 
 def _case_channels_last_bf16(info) -> dict:
     # By name, as TrainerConfig takes it: the wrapper builds the hook.
-    return _one_step("lenet_nodrop", info.rank, channels_last=True, comm_hook="bf16")
+    return _one_step("lenet_nodrop", info.rank, channels_last=True, comm_hook=named_hook("bf16"))
 
 
 @pytest.mark.parametrize("case", ["many_buckets", "mixed_dtypes"])
@@ -146,7 +147,7 @@ def test_channels_last_with_bf16_buckets_pairs_each_element_with_its_own(world):
         print(f"channels_last bf16 buckets: worst {worst / 2**16:.3g} bf16 ulps")
         assert worst <= bf16_bound
         assert all(same for _, same, _ in r["layouts"]), r["layouts"]
-        assert r["hook"] == "Cast", "comm_hook='bf16' was not built from its name"
+        assert r["hook"] == "HalfPrecision", "named_hook('bf16') was not built from its name"
 
 
 def _case_broadcast_buffers(info) -> dict:

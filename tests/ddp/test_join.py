@@ -52,9 +52,9 @@ CASES = {
 }
 # At world size 1 the batch count is the rank's own (each rank is alone in its group).
 WS1_CASES = [("ws1", [5, 0], "default", True, "bn"), ("ws1", [5, 0], "allreduce", False, "bn")]
-# Cast transports have no official counterpart (torch's bf16 hook narrows before dividing), so their
-# oracle is this wrapper with the same hook where the short rank, instead of joining, keeps
-# stepping with zero gradients: a joined rank must be indistinguishable from that.
+# bf16/fp16 transports have no official counterpart (torch's bf16 hook narrows before
+# dividing), so their oracle is this wrapper with the same hook where the short rank, instead
+# of joining, keeps stepping with zero gradients: a joined rank must be indistinguishable.
 CAST_CASES = {2: [("3/5", [3, 5], h) for h in ("bf16", "fp16", "allreduce-bf16", "ring-fp16")]}
 
 

@@ -1,4 +1,4 @@
-"""Linear gradients computed straight into bucket slots (ddp/linear_grads.py): where they
+"""Linear gradients computed straight into bucket slots (cpu/linear_slots.py): where they
 land, that no private gradient-sized tensor is made, and that every case that must not write
 into a slot (a penalty term, a hook, no_sync, autocast) still trains like
 official DDP.
@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ddptrain.ddp import linear_grads
-from ddptrain.ddp.linear_grads import LinearSlots, slot_params
+from ddptrain.cpu import linear_slots
+from ddptrain.cpu.linear_slots import LinearSlots, slot_params
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.models import LeNet
 from support import worlds
@@ -106,12 +106,12 @@ def _pair(rank: int, loss_fn=_ce, shape=(6,), factory=_mlp, **options) -> dict:
 
 def _wrap(module: torch.nn.Module, slots_on: bool) -> DistributedDataParallel:
     """The wrapper, with Linear gradients in their slots or (slots_on=False) copied there."""
-    routed = linear_grads.SLOT_MIN_BYTES
-    linear_grads.SLOT_MIN_BYTES = routed if slots_on else float("inf")
+    routed = linear_slots.SLOT_MIN_BYTES
+    linear_slots.SLOT_MIN_BYTES = routed if slots_on else float("inf")
     try:
         return DistributedDataParallel(module)
     finally:
-        linear_grads.SLOT_MIN_BYTES = routed
+        linear_slots.SLOT_MIN_BYTES = routed
 
 
 def _case_in_slots(info) -> dict:
@@ -122,7 +122,7 @@ def _case_in_slots(info) -> dict:
         model.zero_grad(set_to_none=True)
         x, y = _batch(5, info.rank)
         loss = _ce(model, x, y)
-        with _Outputs([b.buffer() for b in model.reducer.grad_buckets]) as seen:
+        with _Outputs([b.flat for b in model.reducer.buckets]) as seen:
             loss.backward()
         out[name] = {
             "private_weight_sized": _private_weight_sized(model, seen.seen),
@@ -275,7 +275,7 @@ BY_WORLD = {2: [c for c in CASES if c != "third"], 3: ["third"]}
 
 
 def _route_small_layers() -> None:
-    linear_grads.SLOT_MIN_BYTES = 0  # route these small test layers too (in the ranks only)
+    linear_slots.SLOT_MIN_BYTES = 0  # route these small test layers too (in the ranks only)
 
 
 world = worlds.fixture(CASES, BY_WORLD, timeout_s=WORLD_TIMEOUT_S, setup=_route_small_layers)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
+from ddptrain.comm import named_hook
 from ddptrain.compress import powersgd
 from ddptrain.compress.powersgd import PowerSGDState, powersgd_hook
 from ddptrain.cpu.tcp import Socket
@@ -95,7 +96,9 @@ def _case_equal_to_torch(info) -> dict:
             out[f"ours_r{rank}_{transport}"] = _train(ours, info.rank)
             out[f"elements_r{rank}"] = state.elements_per_step()
             out["buckets"] = len(ours.bucket_sizes_bytes)
-    plain = DistributedDataParallel(_mlp(), bucket_cap_mb=BUCKET_CAP_MB, comm_hook="allreduce")
+    plain = DistributedDataParallel(
+        _mlp(), bucket_cap_mb=BUCKET_CAP_MB, comm_hook=named_hook("allreduce")
+    )
     out["uncompressed"] = _train(plain, info.rank)
     return out
 
@@ -106,7 +109,9 @@ def _case_uncompressed_phase(info) -> dict:
     ours = DistributedDataParallel(
         _mlp(), bucket_cap_mb=BUCKET_CAP_MB, comm_hook=(state, powersgd_hook)
     )
-    plain = DistributedDataParallel(_mlp(), bucket_cap_mb=BUCKET_CAP_MB, comm_hook="allreduce")
+    plain = DistributedDataParallel(
+        _mlp(), bucket_cap_mb=BUCKET_CAP_MB, comm_hook=named_hook("allreduce")
+    )
     return {"ours": _train(ours, info.rank), "plain": _train(plain, info.rank)}
 
 
@@ -153,7 +158,7 @@ def _case_pair_equals_register(info) -> dict:
         again = "no error"
     except RuntimeError as e:
         again = str(e)
-    by_name = DistributedDataParallel(_mlp(), comm_hook="powersgd")
+    by_name = DistributedDataParallel(_mlp(), comm_hook=named_hook("powersgd"))
     state = by_name.comm_hook[0]
     return {
         "paired": _train(paired, info.rank),

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from ddptrain.ddp.runner import OrderedRunner
+from ddptrain.ddp.hooks import OrderedRunner
 
 # Long enough for an idle worker to pick up a job on a loaded machine; a stuck one still fails.
 WORKER_TIMEOUT_S = 30.0

@@ -17,9 +17,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from ddptrain.comm import make_transport, named_hook
+from ddptrain.compress.half import HalfPrecision
 from ddptrain.cpu.ring import Ring, ring_all_reduce
 from ddptrain.cpu.shm import SharedMemory
-from ddptrain.ddp.hooks import Cast, make_transport
+from ddptrain.ddp.hooks import transport_hook
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import toy_models, worlds
 from support.sums import ATOL, NUMELS, RTOL, backend_sum, needs_shm, reduce_with
@@ -129,7 +131,7 @@ def _case_cast_hooks(info) -> dict:
         flags = torch.tensor([0.0, 1.0, 0.0, 1.0]) if info.rank == 0 else torch.zeros(4)
         flags[2] = float(info.rank == ws - 1)
         bucket = torch.cat([values, flags])
-        cast = Cast(dtype)
+        cast = HalfPrecision(dtype)
         reduce_with(cast, bucket)
         exact = backend_sum(values.double())
         magnitude = backend_sum(values.double().abs())
@@ -161,10 +163,12 @@ def _train(model_name: str, comm_hook_name: str, steps: int) -> dict:
     torch.manual_seed(3)
     base = toy_models.make(model_name)
     if comm_hook_name == "shm-bf16":
-        transport = Cast(torch.bfloat16, SharedMemory(min_bytes=0))
+        transport = HalfPrecision(torch.bfloat16, SharedMemory(min_bytes=0))
     else:
         transport = make_transport(comm_hook_name) if comm_hook_name else None
-    model = DistributedDataParallel(base, comm_hook=transport)
+    model = DistributedDataParallel(
+        base, comm_hook=(transport, transport_hook) if transport is not None else None
+    )
     rank = dist.get_rank()
     losses = []
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -268,7 +272,9 @@ def _many_buckets(info, hook_name: str) -> dict:
     # min_bytes=0: these test buckets are tiny, and the shared-memory path is what is tested.
     transport = SharedMemory(min_bytes=0) if hook_name == "shm" else make_transport(hook_name)
     models = {
-        "hook": DistributedDataParallel(copy.deepcopy(base), comm_hook=transport, **caps),
+        "hook": DistributedDataParallel(
+            copy.deepcopy(base), comm_hook=(transport, transport_hook), **caps
+        ),
         "torch": TorchDDP(copy.deepcopy(base)),
     }
     for model in models.values():
@@ -303,7 +309,7 @@ def test_transports_with_many_buckets_and_no_sync_equal_official_ddp(world, hook
 def _narrowed_gradients(info, hook_name: str) -> bool:
     torch.manual_seed(0)
     base = torch.nn.Linear(300, 300)  # 90k weights: more than one cast piece
-    model = DistributedDataParallel(copy.deepcopy(base), comm_hook=hook_name)
+    model = DistributedDataParallel(copy.deepcopy(base), comm_hook=named_hook(hook_name))
     inputs = [torch.randn(4, 300, generator=torch.Generator().manual_seed(r)) for r in range(2)]
     model(inputs[info.rank]).pow(2).sum().backward()
     dtype = torch.bfloat16 if "bf16" in hook_name else torch.float16

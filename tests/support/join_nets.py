@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddptrain.comm import named_hook
 from ddptrain.ddp.wrapper import DistributedDataParallel
 
 # Tiny buckets (about 1 KB): several per model, so launch order and the rebuild are exercised.
@@ -74,7 +75,7 @@ def wrap(base: nn.Module, hook_name: str, group=None, copied=True) -> Distribute
         copy.deepcopy(base) if copied else base,
         bucket_cap_mb=BUCKET_MB,
         first_bucket_cap_mb=BUCKET_MB,
-        comm_hook=None if hook_name == "default" else hook_name,
+        comm_hook=None if hook_name == "default" else named_hook(hook_name, group),
         process_group=group,
     )
 

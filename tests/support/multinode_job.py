@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
 
     info = ddptrain.init_distributed(backend="gloo")
     torch.manual_seed(0)
-    model = ddptrain.DDP(LeNet(dropout=0.0), comm_hook=args.comm_hook)
+    hook = None if args.comm_hook == "default" else ddptrain.named_hook(args.comm_hook)
+    model = ddptrain.DDP(LeNet(dropout=0.0), comm_hook=hook)
     params = list(model.parameters())
     buffers = [torch.zeros_like(p) for p in params]
     for step in range(args.steps):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddptrain.fsdp.units import ALIGN, choose_units, flat_layout, group_parameters
+from ddptrain.fsdp.layout import ALIGN, choose_units, flat_layout, group_parameters
 from support import toy_models
 
 MLP_NUMELS = [784 * 2240, 2240] + [2240 * 2240, 2240] * 3 + [22400, 10]  # the bench MLP

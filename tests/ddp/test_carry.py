@@ -1,4 +1,4 @@
-"""flag_next_sync / synced_flag: a value summed over ranks with the next synchronized reduction,
+"""Reducer.carry / carried: a value summed over ranks with the next synchronized reduction,
 with no collective of its own, through every kind of reduction the wrapper has.
 
 One spawned world of 2 ranks runs every case (worlds.run_cases); a world of one runs here.
@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import ddptrain
+from ddptrain.comm import named_hook
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import toy_models, worlds
 
@@ -30,7 +31,7 @@ def _wrap(hook: str) -> DistributedDataParallel:
         model = DistributedDataParallel(base)
         model.register_comm_hook(None, default_hooks.allreduce_hook)
         return model
-    return DistributedDataParallel(base, comm_hook=None if hook == "default" else hook)
+    return DistributedDataParallel(base, comm_hook=None if hook == "default" else named_hook(hook))
 
 
 def _backward(model: DistributedDataParallel, step: int, rank: int) -> None:
@@ -57,16 +58,16 @@ def _case_flags(info) -> dict:
     for hook in HOOKS:
         model = _wrap(hook)
         seen = []
-        # Step 0 also rebuilds the buckets in ready order: the flag must survive that too.
+        # Step 0 also rebuilds the buckets in ready order: the value must survive that too.
         for step, value in enumerate([info.rank + 1, 0, 5 * (info.rank == 1), 3]):
-            model.flag_next_sync(value)
-            before = model.synced_flag
+            model.reducer.carry(value)
+            before = model.reducer.carried
             if step == 3:
                 with model.no_sync():
                     _backward(model, step, info.rank)
-                after_no_sync = model.synced_flag
+                after_no_sync = model.reducer.carried
             _backward(model, step, info.rank)
-            seen.append((before, model.synced_flag))
+            seen.append((before, model.reducer.carried))
         out[hook] = {"seen": seen, "after_no_sync": after_no_sync}
     return out
 
@@ -76,14 +77,14 @@ def _case_no_extra_collective(info) -> dict:
     _backward(model, 0, info.rank)  # the first backward broadcasts the bucket order: not counted
     dist.barrier()
     calls = _record_collectives()
-    model.flag_next_sync(1)
+    model.reducer.carry(1)
     _backward(model, 1, info.rank)
     transport_group = model.comm_hook[0].group
     return {
         "other_groups": [g for g in calls if g is not transport_group],
         "buckets": len(model.bucket_sizes_bytes),
         "reductions": len(calls),
-        "flag": model.synced_flag,
+        "flag": model.reducer.carried,
     }
 
 
@@ -96,9 +97,9 @@ world = worlds.fixture(
 
 
 @pytest.mark.parametrize("hook", HOOKS)
-def test_the_flagged_values_arrive_summed_over_ranks_after_the_backward(world, hook):
-    """Each synchronized backward turns the values flagged before it into their sum over ranks
-    (None until it has run); a no_sync backward carries nothing, and a rank that flags 0 adds
+def test_carried_values_arrive_summed_over_ranks_after_the_backward(world, hook):
+    """Each synchronized backward turns the values carried before it into their sum over ranks
+    (None until it has run); a no_sync backward carries nothing, and a rank that carries 0 adds
     nothing."""
     for rank_result in worlds.outcome(world(2), "flags"):
         r = rank_result[hook]
@@ -106,8 +107,8 @@ def test_the_flagged_values_arrive_summed_over_ranks_after_the_backward(world, h
         assert r["after_no_sync"] is None
 
 
-def test_the_flag_rides_the_reduction_without_a_collective_of_its_own(world):
-    """With a transport, a flagged backward runs one reduction per bucket on the transport's
+def test_the_carried_value_rides_the_reduction_without_a_collective_of_its_own(world):
+    """With a transport, a carrying backward runs one reduction per bucket on the transport's
     group and nothing else: the value travels in the last bucket's tail."""
     for r in worlds.outcome(world(2), "no_extra_collective"):
         assert r["other_groups"] == [] and r["reductions"] == r["buckets"]
@@ -115,12 +116,12 @@ def test_the_flag_rides_the_reduction_without_a_collective_of_its_own(world):
 
 
 def test_a_world_of_one_returns_its_own_value(tmp_path, monkeypatch):
-    """At world size 1 the flagged value comes back as it was given, through a transport and
+    """At world size 1 the carried value comes back as it was given, through a transport and
     through a torch hook alike."""
     monkeypatch.setenv("DDPTRAIN_INIT_METHOD", f"file://{tmp_path / 'store'}")
     ddptrain.init_distributed(backend="gloo")
     for hook in ("default", "torch_allreduce"):
         model = _wrap(hook)
-        model.flag_next_sync(7)
+        model.reducer.carry(7)
         _backward(model, 0, 0)
-        assert model.synced_flag == 7
+        assert model.reducer.carried == 7

@@ -1,8 +1,11 @@
 """Linear layers whose gradients autograd computes straight into their bucket slots.
 
-    slots = LinearSlots(claim, params)  # claim(param) -> (its bucket view, scale) or None
-    with slots:                         # the DDP wrapper's synchronized forward
-        out = module(x)                 # F.linear on a wrapped weight goes through _Linear
+    mode = slots_mode(module, claim)  # claim(param) -> (its bucket view, scale) or None
+    with mode:                          # the DDP wrapper's synchronized forward
+        out = module(x)                 # F.linear on a large weight goes through _Linear
+
+The CPU transports offer this mode to the wrapper (`Transport.forward_mode`): a measured
+speedup for CPU ranks, where copying gradients is memory bandwidth the step spends.
 
 Autograd computes each gradient into a fresh tensor; the wrapper's hook then copies it, scaled
 by 1/world_size, into the parameter's bucket slot and frees it. For an MLP's large layers that
@@ -31,7 +34,6 @@ intercepted.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,15 +41,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-# Layers whose weight is smaller keep autograd's own function. Routing a call through a Python
-# autograd function costs ~0.1-0.3 ms a step per layer; the copy it saves costs that much at
-# about 1 MiB. Routed, the recipe LeNet's two layers (256 KiB and 4 KiB) made its ws=2 step
-# 1.7-1.8% slower; the bench MLP's 20 MiB layers save 12 ms a step.
+from ddptrain.ddp.hooks import Claim
+
+# Layers whose weight is smaller keep autograd's own function: routing a call through a Python
+# autograd function costs about what the copy it saves costs at ~1 MiB (docs/benchmarks.md,
+# "Costs the code is shaped around").
 SLOT_MIN_BYTES = 1 << 20
 
-# The slot a parameter's gradient may be written into this backward and the factor to scale it
-# by there, or None.
-Claim = Callable[[torch.Tensor], "tuple[torch.Tensor, float] | None"]
+
+def slots_mode(module: nn.Module, claim: Claim) -> LinearSlots | None:
+    """The mode for `module`'s large Linear layers (slot_params), or None if it has none."""
+    params = slot_params(list(module.modules()))
+    return LinearSlots(claim, params) if params else None
 
 
 def slot_params(modules: list[nn.Module], min_bytes: int | None = None) -> list[torch.Tensor]:
@@ -183,18 +188,3 @@ def _into(claim: Claim, param: torch.Tensor, op: Any, *args: Any) -> torch.Tenso
         # the scale is a power of two.
         out.mul_(scale)
     return out
-
-
-def will_accumulate(grad_acc: Any) -> bool:
-    """Whether the running backward will accumulate into .grad through this AccumulateGrad."""
-    try:
-        return torch._C._will_engine_execute_node(grad_acc)
-    except RuntimeError:
-        # torch refuses the question for a leaf during torch.autograd.grad(), which returns
-        # gradients and accumulates none.
-        return False
-
-
-def has_other_hooks(param: torch.Tensor) -> bool:
-    """Hooks besides the wrapper's that would see a gradient before the wrapper scales it."""
-    return bool(param._backward_hooks) or len(param._post_accumulate_grad_hooks or ()) > 1

@@ -69,7 +69,7 @@ def torch_options(
         raise ValueError(
             "mixed_precision is not supported by ddptrain's DistributedDataParallel; run the "
             "forward under torch.autocast (TrainerConfig(precision='bf16')), or send gradients "
-            "as bf16 with comm_hook='bf16'"
+            "as bf16 with comm_hook=ddptrain.named_hook('bf16')"
         )
     if device_mesh is not None:
         if process_group is not None:
