@@ -32,6 +32,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ddptrain.data.download import DownloadError
 from ddptrain.data.idx import IDXFormatError
 from ddptrain.dist import LaunchError, parse_env
+from ddptrain.flags import in_flags
 from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.config import ConfigError
 from ddptrain.train.health import PeerFailedError
@@ -158,9 +159,14 @@ def exit_code(e: BaseException) -> int:
     return USAGE_EXIT_CODE if isinstance(e, USAGE_ERRORS) else USER_EXIT_CODE
 
 
-def run_main(main: Callable[[list[str]], int], argv: Sequence[str] | None = None) -> int:
+def run_main(
+    main: Callable[[list[str]], int],
+    argv: Sequence[str] | None = None,
+    settings: Sequence[type] = (),
+) -> int:
     """Run `main(argv)` under torchrun's `@record`; a user error or Ctrl-C prints one line and
-    returns the exit status."""
+    returns the exit status. `settings`: the dataclasses the flags were made from
+    (ddptrain/flags.py), so that an error about a setting names its flag."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
@@ -172,12 +178,13 @@ def run_main(main: Callable[[list[str]], int], argv: Sequence[str] | None = None
             if debug:
                 raise
             rank = _rank()
+            line = in_flags(format_error(e), *settings)
             if rank == 0:
-                print(format_error(e), file=sys.stderr, flush=True)
+                print(line, file=sys.stderr, flush=True)
             elif not _same_on_every_rank(e):
                 # Only this rank may have seen it (a file on its host, its LOCAL_RANK).
                 time.sleep(PEER_GRACE_S)
-                print(f"{format_error(e)} (rank {rank})", file=sys.stderr, flush=True)
+                print(f"{line} (rank {rank})", file=sys.stderr, flush=True)
             return exit_code(e)
         except KeyboardInterrupt:
             if debug:

@@ -31,26 +31,20 @@ The last line printed is a summary:
           world_size=2    (one line)
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import shlex
 import sys
 import textwrap
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 import ddptrain
-from ddptrain.cli import (
-    ArgumentParser,
-    non_negative,
-    positive,
-    probability,
-    run_alike,
-    run_main,
-)
+from ddptrain import cli
+from ddptrain.cli import run_alike
 from ddptrain.data.datasets import (
     DEBIAN_FASHION_MNIST,
     download_mnist,
@@ -59,12 +53,13 @@ from ddptrain.data.datasets import (
     survey_data_dir,
 )
 from ddptrain.data.download import DownloadError
+from ddptrain.flags import NON_NEGATIVE, POSITIVE, PROBABILITY, add_flags, from_flags, setting
 from ddptrain.models import MLP, LeNet
-from ddptrain.train.config import COMM_HOOKS, PRECISIONS, ZERO_STAGES, TrainerConfig
-from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, signal_number
+from ddptrain.train.config import TrainerConfig
 from ddptrain.train.trainer import Trainer
 
 DEFAULT_DATA_DIR = "data"
+MIRROR_ENV = "DDPTRAIN_MNIST_MIRROR"
 TITLES = {"mnist": "MNIST", "fashion-mnist": "Fashion-MNIST"}
 
 
@@ -81,7 +76,7 @@ class MNISTTrainer(Trainer):
         batchnorm = self.args.batchnorm or self.args.sync_batchnorm
         model = LeNet(dropout=self.args.dropout, width=self.args.width, batchnorm=batchnorm)
         if self.args.channels_last:
-            # NHWC convolutions and pooling: LeNet trains 1.3-1.7x faster on CPU this way.
+            # NHWC convolutions and pooling train LeNet faster on CPU (docs/benchmarks.md).
             model = model.to(memory_format=torch.channels_last)
         return model
 
@@ -198,6 +193,79 @@ def _offline_hint(world_size: int, launcher: str, flags: list[str]) -> str:
     return f"or train offline on Fashion-MNIST: {install}, then {command}"
 
 
+@dataclass(kw_only=True)
+class MNISTSettings:
+    """What is this recipe's own: the data and the model; every other flag is TrainerConfig's."""
+
+    dataset: Literal["mnist", "fashion-mnist"] = setting(
+        "mnist", "which data set to train and test on", group="data"
+    )
+    data_dir: str | None = setting(
+        None,
+        "folder with the IDX files (flat, raw/ or MNIST/raw/); missing MNIST files are "
+        "downloaded into DIR/MNIST/raw/ unless DIR holds Fashion-MNIST",
+        group="data",
+        metavar="DIR",
+        unset=f"{DEFAULT_DATA_DIR}/, and for Fashion-MNIST then {DEBIAN_FASHION_MNIST}",
+    )
+    mirror: str | None = setting(
+        None,
+        "base URL (https://, http:// or file://) of a folder holding MNIST's four .gz files",
+        group="data",
+        metavar="URL",
+        unset=f"${MIRROR_ENV}, else the standard mirrors",
+    )
+    model: Literal["lenet", "mlp"] = setting(
+        "lenet",
+        "mlp: the benchmark's 16.8M-parameter MLP, which shows communication in a timeline",
+        group="model",
+    )
+    # Width 2 with BatchNorm: the best time to accuracy (docs/benchmarks.md, "Costs the code is
+    # shaped around").
+    width: int = setting(
+        2,
+        "LeNet width multiplier; 1 with --dropout 0.5 --no-batchnorm is the tutorial's net",
+        group="model",
+        check=POSITIVE,
+    )
+    dropout: float = setting(0.1, "dropout probability", group="model", check=PROBABILITY)
+    batchnorm: bool = setting(True, "BatchNorm after each conv and the hidden layer", group="model")
+    channels_last: bool | None = setting(
+        None,
+        "LeNet's weights in NHWC layout, faster convolutions on CPU",
+        group="model",
+        unset="on, off with --zero-stage 1, whose flat shards need contiguous parameters",
+    )
+    lr: float = setting(
+        0.2,
+        "SGD learning rate, the start of a cosine schedule",
+        group="optimizer",
+        check=POSITIVE,
+    )
+    momentum: float = setting(0.9, "SGD momentum", group="optimizer", check=NON_NEGATIVE)
+    weight_decay: float = setting(5e-4, "SGD weight decay", group="optimizer", check=NON_NEGATIVE)
+    target_acc: float | None = setting(
+        None,
+        "exit with status 1 if the final test accuracy is below this, e.g. 0.99",
+        group="run",
+        metavar="ACC",
+        unset="none",
+    )
+    dry_run: bool = setting(False, "5 steps and one evaluation, for CI", group="run")
+    debug: bool = setting(
+        False,
+        f"show the traceback of a user error instead of one error: line; also {cli.DEBUG_ENV}=1",
+        group="run",
+    )
+
+
+# What the flags are made from, so that an error about a setting names its flag.
+SETTINGS = (MNISTSettings, TrainerConfig)
+# The defaults are tuned for time to accuracy on a small CPU machine (docs/benchmarks.md, "Time
+# to accuracy"): Fashion-MNIST >= 91% in under 100 s at 2 ranks on 2 cores, MNIST ~99%.
+RECIPE_DEFAULTS = {"epochs": 6, "global_batch_size": 256, "seed": 1234}
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The module docstring as written; help lines wrapped, but never inside a path or flag."""
 
@@ -206,261 +274,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The recipe's flags, each with a help line that names its default."""
-    p = ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
-    data = p.add_argument_group("data")
-    data.add_argument(
-        "--dataset",
-        choices=["mnist", "fashion-mnist"],
-        default="mnist",
-        help="which data set to train and test on (default: %(default)s)",
-    )
-    data.add_argument(
-        "--data-dir",
-        default=None,
-        metavar="DIR",
-        help="folder with the IDX files (flat, raw/ or MNIST/raw/); missing MNIST files are "
-        "downloaded into DIR/MNIST/raw/ unless DIR holds Fashion-MNIST (default: data/, and "
-        f"for Fashion-MNIST then {DEBIAN_FASHION_MNIST})",
-    )
-    data.add_argument(
-        "--mirror",
-        default=os.environ.get("DDPTRAIN_MNIST_MIRROR"),
-        metavar="URL",
-        help="base URL (https://, http:// or file://) of a folder holding MNIST's four .gz "
-        "files (default: $DDPTRAIN_MNIST_MIRROR, else the standard mirrors)",
-    )
-
-    train = p.add_argument_group("training")
-    # The defaults are tuned for time to accuracy on a small CPU machine (docs/benchmarks.md):
-    # Fashion-MNIST >= 91% in under 100 s at 2 ranks on 2 cores, MNIST ~99%.
-    train.add_argument(
-        "--epochs",
-        type=int,
-        default=6,
-        metavar="N",
-        help="passes over the training set (default: %(default)s)",
-    )
-    train.add_argument(
-        "--max-steps",
-        type=int,
-        default=None,
-        metavar="N",
-        help="stop after N optimizer steps (default: none, all the epochs)",
-    )
-    train.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=256,
-        metavar="N",
-        help="samples per optimizer step, split over the ranks (default: %(default)s)",
-    )
-    train.add_argument(
-        "--lr",
-        type=positive(float),
-        default=0.2,
-        help="SGD learning rate, the start of a cosine schedule (default: %(default)s)",
-    )
-    train.add_argument(
-        "--momentum",
-        type=non_negative(float),
-        default=0.9,
-        help="SGD momentum (default: %(default)s)",
-    )
-    train.add_argument(
-        "--weight-decay",
-        type=non_negative(float),
-        default=5e-4,
-        help="SGD weight decay (default: %(default)s)",
-    )
-    train.add_argument(
-        "--seed",
-        type=int,
-        default=1234,
-        help="seed of the model, data order and dropout (default: %(default)s)",
-    )
-    train.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="fp32",
-        help="bf16: autocast; fp16: autocast and GradScaler, CUDA only (default: %(default)s)",
-    )
-    train.add_argument(
-        "--comm-hook",
-        choices=COMM_HOOKS,
-        default="default",
-        metavar="HOOK",
-        help=f"how gradients are averaged over ranks: {', '.join(COMM_HOOKS)} (default: "
-        "%(default)s, the wrapper's choice for the device and hosts)",
-    )
-    train.add_argument(
-        "--powersgd-rank",
-        type=positive(int),
-        default=TrainerConfig.powersgd_rank,
-        metavar="R",
-        help="--comm-hook powersgd: the rank each weight's gradient is compressed to "
-        "(default: %(default)s)",
-    )
-    train.add_argument(
-        "--powersgd-start-step",
-        type=int,
-        default=TrainerConfig.powersgd_start_step,
-        metavar="N",
-        help="--comm-hook powersgd: average the first N steps uncompressed, N >= 2 "
-        "(default: %(default)s)",
-    )
-    train.add_argument(
-        "--zero-stage",
-        type=int,
-        choices=ZERO_STAGES,
-        default=0,
-        help="shard across ranks: 1 the optimizer state (ZeRO-1), 2 the gradients too, 3 the "
-        "parameters too (default: %(default)s)",
-    )
-    train.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="5 steps and one evaluation, for CI (default: off)",
-    )
-
-    model = p.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        choices=["lenet", "mlp"],
-        default="lenet",
-        help="mlp: the benchmark's 16.8M-parameter MLP, which shows communication in a "
-        "timeline (default: %(default)s)",
-    )
-    # Width 2 (20-40-100) with BatchNorm: the tutorial's 10-20-50 net tops out near 88% on
-    # Fashion-MNIST; width 3 gains little in a short run and costs 1.6x the compute.
-    model.add_argument(
-        "--width",
-        type=positive(int),
-        default=2,
-        help="LeNet width multiplier; 1 with --dropout 0.5 --no-batchnorm is the tutorial's "
-        "net (default: %(default)s)",
-    )
-    model.add_argument(
-        "--dropout",
-        type=probability,
-        default=0.1,
-        help="dropout probability (default: %(default)s)",
-    )
-    model.add_argument(
-        "--batchnorm",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="BatchNorm after each conv and the hidden layer (default: on)",
-    )
-    model.add_argument(
-        "--sync-batchnorm",
-        action="store_true",
-        help="BatchNorm statistics over the global batch; implies --batchnorm (default: off)",
-    )
-    model.add_argument(
-        "--channels-last",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="LeNet's weights in NHWC layout (default: on, off with --zero-stage 1, whose "
-        "flat shards need contiguous parameters)",
-    )
-
-    ckpt = p.add_argument_group("checkpoints")
-    ckpt.add_argument(
-        "--checkpoint-dir",
-        default=None,
-        metavar="DIR",
-        help="write checkpoints there, keeping the best by test accuracy too (default: none, "
-        "no checkpoints)",
-    )
-    ckpt.add_argument(
-        "--checkpoint-every-steps",
-        type=positive(int),
-        default=None,
-        metavar="N",
-        help="checkpoint every N optimizer steps instead of at each epoch's end; one is "
-        "always written at the end (default: each epoch)",
-    )
-    ckpt.add_argument(
-        "--checkpoint-every-minutes",
-        type=positive(float),
-        default=None,
-        metavar="M",
-        help="also checkpoint when M minutes have passed since the last checkpoint (rank 0's "
-        "clock decides for every rank) (default: none)",
-    )
-    ckpt.add_argument(
-        "--preempt-signals",
-        type=_signal_names,
-        default=DEFAULT_PREEMPT_SIGNALS,
-        metavar="SIG,...",
-        help="with --checkpoint-dir, these signals save the current step and exit with status "
-        "76; 'none' keeps their default action (default: "
-        f"{','.join(DEFAULT_PREEMPT_SIGNALS)})",
-    )
-    ckpt.add_argument(
-        "--keep-last",
-        type=positive(int),
-        default=None,
-        metavar="K",
-        help="keep the newest K checkpoints (and the best one), delete older ones "
-        f"(default: {TrainerConfig.keep_last})",
-    )
-    ckpt.add_argument(
-        "--resume",
-        default=None,
-        metavar="{auto,PATH}",
-        help="auto: the newest valid checkpoint in --checkpoint-dir, moving newer invalid ones "
-        "into its invalid/ subfolder, or a fresh start; or a checkpoint's path (default: "
-        "none, a fresh start)",
-    )
-
-    out = p.add_argument_group("output")
-    out.add_argument(
-        "--eval-every-steps",
-        type=positive(int),
-        default=None,
-        metavar="N",
-        help="evaluate every N optimizer steps (default: at each epoch's end)",
-    )
-    out.add_argument(
-        "--target-acc",
-        type=float,
-        default=None,
-        metavar="ACC",
-        help="exit with status 1 if the final test accuracy is below ACC, e.g. 0.99 (default: "
-        "none)",
-    )
-    out.add_argument(
-        "--log-dir",
-        default=None,
-        metavar="DIR",
-        help="write metrics.jsonl there, rank 0; then python -m ddptrain.plot DIR -o "
-        "curves.png (default: none)",
-    )
-    out.add_argument(
-        "--tensorboard",
-        action="store_true",
-        help="also write TensorBoard scalars into --log-dir (default: off)",
-    )
-    out.add_argument(
-        "--profile-steps",
-        nargs="+",
-        default=None,
-        metavar="A[:B]",
-        help="trace optimizer steps A..B (A:B or A B) per rank into --log-dir (default: none)",
-    )
-    out.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="no progress bar (default: a bar on an interactive terminal)",
-    )
-    out.add_argument(
-        "--debug",
-        action="store_true",
-        help="show the traceback of a user error instead of one error: line; also "
-        "DDPTRAIN_DEBUG=1 (default: off)",
-    )
+    """The recipe's flags: its own settings, then every TrainerConfig field's."""
+    p = cli.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    defaults = {**RECIPE_DEFAULTS, "mirror": os.environ.get(MIRROR_ENV)}
+    add_flags(p, [MNISTSettings, TrainerConfig], defaults)
     return p
 
 
@@ -468,7 +285,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags of `argv` (default: the command line), checked together."""
     p = build_parser()
     args = p.parse_args(argv)
-    args.profile_steps = _step_range(p, args.profile_steps)
     if args.channels_last is None:
         args.channels_last = args.zero_stage != 1
     elif args.channels_last and args.zero_stage == 1:
@@ -476,81 +292,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--zero-stage 1 shards flat, contiguous parameters; drop --channels-last "
             "(--zero-stage 1 turns it off by default)"
         )
-    given = [
-        flag
-        for flag, value in (
-            ("--checkpoint-every-steps", args.checkpoint_every_steps),
-            ("--checkpoint-every-minutes", args.checkpoint_every_minutes),
-            ("--keep-last", args.keep_last),
-        )
-        if value is not None
-    ]
-    if given and not args.checkpoint_dir:
-        verb = "apply" if len(given) > 1 else "applies"
-        p.error(f"{' and '.join(given)} {verb} to checkpoints; add --checkpoint-dir DIR")
-    if args.keep_last is None:
-        args.keep_last = TrainerConfig.keep_last
+    if args.dry_run:
+        # 5 steps even when a (small) data set has fewer batches per epoch.
+        args.epochs, args.max_steps, args.log_every_steps = 5, 5, 5
+    if args.checkpoint_dir and args.best_metric is None:
+        args.best_metric = "eval_accuracy"
     return args
-
-
-def _signal_names(text: str) -> tuple[str, ...]:
-    """`SIGTERM,SIGUSR1` (or `TERM,USR1`) as signal names; `none` for no signal."""
-    if text.strip().lower() == "none":
-        return ()
-    try:
-        return tuple(signal_number(name.strip()).name for name in text.split(",") if name.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _step_range(p: argparse.ArgumentParser, values: list[str] | None) -> tuple[int, int] | None:
-    if values is None:
-        return None
-    parts = [v for value in values for v in value.split(":")]
-    try:
-        steps = [int(v) for v in parts]
-    except ValueError:
-        steps = []
-    if len(steps) not in (1, 2):
-        p.error(f"--profile-steps {' '.join(values)}: use A:B or A B (optimizer steps), e.g. 20:22")
-    return steps[0], steps[-1]
 
 
 def build_config(args: argparse.Namespace) -> TrainerConfig:
     """The TrainerConfig these flags describe (the bench builds its runs from it too)."""
-    return TrainerConfig(
-        global_batch_size=args.global_batch_size,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        seed=args.seed,
-        precision=args.precision,
-        comm_hook=args.comm_hook,
-        powersgd_rank=args.powersgd_rank,
-        powersgd_start_step=args.powersgd_start_step,
-        zero_stage=args.zero_stage,
-        sync_batchnorm=args.sync_batchnorm,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every_steps=args.checkpoint_every_steps,
-        checkpoint_every_minutes=args.checkpoint_every_minutes,
-        preempt_signals=args.preempt_signals,
-        keep_last=args.keep_last,
-        resume=args.resume,
-        log_dir=args.log_dir,
-        log_every_steps=5 if args.dry_run else 50,
-        eval_every_steps=args.eval_every_steps,
-        progress_bar=False if args.no_progress else None,
-        best_metric="eval_accuracy" if args.checkpoint_dir else None,
-        profile_steps=args.profile_steps,
-        loggers=("jsonl", "tensorboard") if args.tensorboard else ("jsonl",),
-    )
+    return from_flags(TrainerConfig, args)
 
 
 def main(argv: list[str] | None = None) -> int:
     """1 flags -> 2 config -> 3 trainer (init, data, model, wrap, optimizer, resume, loop)."""
     args = parse_args(argv)
-    if args.dry_run:
-        # 5 steps even when a (small) data set has fewer batches per epoch.
-        args.epochs, args.max_steps = 5, 5
     config = build_config(args)
     trainer = MNISTTrainer(config, args)
     summary = trainer.fit()
@@ -567,4 +324,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    sys.exit(cli.run_main(main, settings=SETTINGS))

@@ -33,7 +33,7 @@ def test_recipe_defaults_reach_90_percent_on_fashion_mnist_at_world_size_2(tmp_p
             str(RECIPE),
             "--dataset",
             "fashion-mnist",
-            "--no-progress",
+            "--no-progress-bar",
             "--target-acc",
             "0.90",
         ],

@@ -73,7 +73,7 @@ def test_user_error_is_one_line_on_stderr_and_an_exit_code(rank0, capsys, make_e
 def test_config_error_names_the_fix_in_the_line(rank0, capsys):
     """The line is the validation's own message, so it still names the value and the fix."""
     cli.run_main(_raising(_config_error()), [])
-    assert capsys.readouterr().err == "error: epochs must be a positive integer, got 0\n"
+    assert capsys.readouterr().err == "error: epochs=0: must be a positive integer\n"
 
 
 @pytest.mark.parametrize("switch", ["flag", "env"])
@@ -204,8 +204,10 @@ def _recipe_module():
     return module
 
 
-def _recipe_main() -> Callable[[list[str]], int]:
-    return _recipe_module().main
+def _run_recipe(flags: list[str]) -> int:
+    """The recipe as `python recipes/mnist.py FLAGS` runs it: run_main with its settings."""
+    recipe = _recipe_module()
+    return cli.run_main(recipe.main, flags, settings=recipe.SETTINGS)
 
 
 def test_offline_hint_keeps_the_users_flags_and_launcher(monkeypatch):
@@ -235,28 +237,30 @@ class CliCase:
 
 
 def _data(folders: dict[str, Path], *flags: str) -> list[str]:
-    return ["--data-dir", str(folders["data"]), "--no-progress", *flags]
+    return ["--data-dir", str(folders["data"]), "--no-progress-bar", *flags]
 
 
 CLI_CASES: dict[str, CliCase] = {
     "cli-epochs-zero": CliCase(
-        lambda f: _data(f, "--epochs", "0"), 2, "error: epochs must be a positive integer, got 0"
+        lambda f: _data(f, "--epochs", "0"),
+        2,
+        f"error: argument --epochs: must be a positive integer, got 0 (see{GAP}--help)",
     ),
     "cli-batch-zero": CliCase(
         lambda f: _data(f, "--global-batch-size", "0"),
         2,
-        "error: global_batch_size must be a positive integer, got 0",
+        f"error: argument --global-batch-size: must be a positive integer, got 0 (see{GAP}--help)",
     ),
     "cli-batch-too-large": CliCase(
         lambda f: _data(f, "--global-batch-size", "1000"),
         2,
-        "error: global_batch_size 1000 is larger than the training set (480 samples)"
-        f"{GAP}use global_batch_size <= 480",
+        "error: --global-batch-size 1000 is larger than the training set (480 samples)"
+        f"{GAP}use --global-batch-size <= 480",
     ),
     "cli-resume-without-dir": CliCase(
         lambda f: _data(f, "--resume", "auto"),
         2,
-        "error: resume='auto' looks in checkpoint_dir; set checkpoint_dir too",
+        "error: --resume auto looks in --checkpoint-dir; set --checkpoint-dir too",
     ),
     "cli-lr-negative": CliCase(
         lambda f: _data(f, "--lr", "-1"),
@@ -273,10 +277,10 @@ CLI_CASES: dict[str, CliCase] = {
         2,
         f"error: unrecognized arguments: --epoch 3; did you mean --epochs? (see{GAP}--help)",
     ),
-    "cli-keep-last-without-checkpoint-dir": CliCase(
-        lambda f: _data(f, "--keep-last", "2"),
+    "cli-checkpoint-steps-without-dir": CliCase(
+        lambda f: _data(f, "--checkpoint-every-steps", "5"),
         2,
-        f"error: --keep-last applies to checkpoints; add --checkpoint-dir DIR (see{GAP}--help)",
+        "error: --checkpoint-every-steps 5 saves into --checkpoint-dir; set --checkpoint-dir too",
     ),
     "cli-dropout-out-of-range": CliCase(
         lambda f: _data(f, "--dropout", "1.5"),
@@ -296,7 +300,7 @@ CLI_CASES: dict[str, CliCase] = {
     "cli-log-dir-unwritable": CliCase(
         lambda f: _data(f, "--max-steps", "1", "--log-dir", str(f["file"] / "logs")),
         1,
-        f"error: cannot create log directory{GAP}choose a log_dir you can write to",
+        f"error: cannot create log directory{GAP}choose a --log-dir you can write to",
     ),
     "cli-resume-sidecar": CliCase(
         lambda f: _data(f, "--resume", str(f["ckpt"] / "ckpt-00000001.json")),
@@ -310,7 +314,7 @@ CLI_CASES: dict[str, CliCase] = {
         f"error: cannot create checkpoint directory{GAP}choose a directory you can write to",
     ),
     "cli-label-out-of-range": CliCase(
-        lambda f: ["--data-dir", str(f["bad_labels"]), "--no-progress"],
+        lambda f: ["--data-dir", str(f["bad_labels"]), "--no-progress-bar"],
         1,
         f"error:{GAP}train-labels-idx1-ubyte.gz: label 12 at index 7 is outside 0..9"
         f"{GAP}delete it and download it again",
@@ -378,7 +382,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_recipe_error_line(case_id: str, folders, rank0, capsys) -> None:
     """The row's flags give its exit status and exactly one `error:` line with its fragment."""
     case = CLI_CASES[case_id]
-    code = cli.run_main(_recipe_main(), case.flags(folders))
+    code = _run_recipe(case.flags(folders))
     out, err = capsys.readouterr()
     assert code == case.code, err
     assert err.count("\n") == 1 and in_order(err, case.fragment), err
@@ -392,7 +396,7 @@ def test_a_data_dir_that_cannot_serve_is_left_as_it_was(case_id: str, folders, r
     flags = CLI_CASES[case_id].flags(folders)
     data_dir = Path(flags[flags.index("--data-dir") + 1])
     before = sorted(data_dir.rglob("*")) if data_dir.exists() else None
-    assert cli.run_main(_recipe_main(), flags) == 1
+    assert _run_recipe(flags) == 1
     assert (sorted(data_dir.rglob("*")) if data_dir.exists() else None) == before
 
 

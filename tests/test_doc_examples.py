@@ -1,9 +1,7 @@
-"""The README's and the guide's examples run as written; the guide's tables match the code."""
+"""The README's and the guide's examples run as written (the guide's settings tables: test_settings)."""
 
 from __future__ import annotations
 
-import ast
-import dataclasses
 import json
 import math
 import re
@@ -11,11 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
-from ddptrain.bench.recipe import _load_recipe
-from ddptrain.train.config import TrainerConfig
 from support.child_env import child_env
 from support.doc_blocks import python_block
 from support.idx_files import write_split
@@ -88,7 +83,7 @@ def test_guide_loads_a_recipe_checkpoint_without_ddptrain(tmp_path):
     write_split(raw, "train", 640, seed=1)
     write_split(raw, "t10k", 101, seed=2)
     recipe = [sys.executable, str(ROOT / "recipes" / "mnist.py"), "--data-dir", "data"]
-    _run([*recipe, "--dry-run", "--no-progress", "--checkpoint-dir", "ckpt"], tmp_path)
+    _run([*recipe, "--dry-run", "--no-progress-bar", "--checkpoint-dir", "ckpt"], tmp_path)
     saved = sorted((tmp_path / "ckpt").glob("ckpt-*.pt"))  # zero-padded: the last is newest
     assert saved, "the recipe saved no checkpoint"
     snippet = python_block("docs/guide.md", 'state["model"]')
@@ -98,40 +93,3 @@ def test_guide_loads_a_recipe_checkpoint_without_ddptrain(tmp_path):
     loaded = scope["model"].state_dict()
     assert loaded.keys() == scope["state"]["model"].keys()
     assert all(torch.equal(loaded[k], v) for k, v in scope["state"]["model"].items())
-
-
-def test_guide_config_table_lists_every_field_with_its_default():
-    """docs/guide.md's TrainerConfig table: one row per field, in order, showing the default."""
-    text = (ROOT / "docs" / "guide.md").read_text()
-    table = text.split("| field | default | meaning |", 1)[1].split("\n\n", 1)[0]
-    rows = re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.MULTILINE)
-    fields = dataclasses.fields(TrainerConfig)
-    assert [name for name, _ in rows] == [f.name for f in fields]
-    for (name, shown), field in zip(rows, fields, strict=True):
-        assert ast.literal_eval(shown) == field.default, name
-
-
-def test_guide_recipe_flag_table_names_every_flag_of_the_recipe(capsys):
-    """Every flag `recipes/mnist.py --help` lists has a row in the guide's flag table, and back."""
-    with pytest.raises(SystemExit):
-        _load_recipe().parse_args(["--help"])
-    options = capsys.readouterr().out.split("\noptions:\n", 1)[1]  # after the usage text
-    offered = set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", options)) - {"--help"}
-    text = (ROOT / "docs" / "guide.md").read_text()
-    table = text[text.index("| `--dataset`") :].split("\n\n", 1)[0]
-    rows = re.findall(r"^\| (.*?) \|", table, flags=re.MULTILINE)
-    documented = {flag for row in rows for flag in re.findall(r"`(--[\w-]+)`", row)}
-    assert offered == documented
-
-
-def test_guide_recipe_usage_block_is_the_recipes_usage(capsys):
-    """The usage text pasted in the guide is what `recipes/mnist.py --help` prints (compared
-    word by word: the line breaks follow the terminal's width)."""
-    with pytest.raises(SystemExit):
-        _load_recipe().parse_args(["--help"])
-    usage = capsys.readouterr().out.split("\n\n", 1)[0]
-    text = (ROOT / "docs" / "guide.md").read_text()
-    pasted = re.search(r"```\n(usage: mnist\.py .*?)```", text, flags=re.DOTALL)
-    assert pasted is not None, "docs/guide.md: no ``` block starting 'usage: mnist.py'"
-    # Past "usage: PROG": the program name is pytest's here.
-    assert pasted.group(1).split()[2:] == usage.split()[2:]

@@ -13,6 +13,8 @@ import pytest
 
 from ddptrain import cli
 from ddptrain.data import datasets
+from ddptrain.flags import in_flags
+from ddptrain.train.config import ConfigError, TrainerConfig
 from support.child_env import child_env
 from support.idx_files import (
     FASHION_FIRST_LABELS,
@@ -67,7 +69,7 @@ def test_dry_run_under_torchrun_downloads_the_test_split_then_trains_and_checkpo
                 "--mirror",
                 mirror,
                 "--dry-run",
-                "--no-progress",
+                "--no-progress-bar",
                 "--checkpoint-dir",
                 str(ckpt_dir),
                 "--log-dir",
@@ -102,7 +104,7 @@ def test_plain_python_run_and_target_acc_exit_code(tmp_path, data_dir):
             "--data-dir",
             str(data_dir),
             "--dry-run",
-            "--no-progress",
+            "--no-progress-bar",
             "--target-acc",
             "1.01",
         ],
@@ -167,7 +169,7 @@ def test_the_system_fashion_mnist_stands_in_only_when_no_data_dir_is_given(
         "--dataset",
         "fashion-mnist",
         "--dry-run",
-        "--no-progress",
+        "--no-progress-bar",
         "--global-batch-size",
         "16",
     ]
@@ -212,7 +214,7 @@ def test_checkpoint_flags_reach_the_config():
 def test_preemption_flags_reach_the_config():
     """--checkpoint-every-minutes and --preempt-signals set TrainerConfig's fields (signal names
     with or without SIG, or none); a signal that does not exist, or minutes without
-    --checkpoint-dir, are usage errors."""
+    --checkpoint-dir, are settings errors that name the flag."""
     recipe = _recipe_module()
     base = ["--checkpoint-dir", "ckpt"]
     args = [*base, "--checkpoint-every-minutes", "0.5", "--preempt-signals", "TERM,SIGUSR2"]
@@ -225,10 +227,13 @@ def test_preemption_flags_reach_the_config():
         "SIGINT",
         "SIGUSR1",
     )
-    with pytest.raises(cli.UsageError, match="unknown signal 'SIGFOO'"):
-        recipe.parse_args([*base, "--preempt-signals", "SIGFOO"])
-    with pytest.raises(cli.UsageError, match="--checkpoint-every-minutes applies to checkpoints"):
-        recipe.parse_args(["--checkpoint-every-minutes", "5"])
+    with pytest.raises(ConfigError, match="unknown signal 'SIGFOO'"):
+        recipe.build_config(recipe.parse_args([*base, "--preempt-signals", "SIGFOO"]))
+    with pytest.raises(ConfigError) as info:
+        recipe.build_config(recipe.parse_args(["--checkpoint-every-minutes", "5"]))
+    assert in_flags(str(info.value), TrainerConfig) == (
+        "--checkpoint-every-minutes 5.0 saves into --checkpoint-dir; set --checkpoint-dir too"
+    )
 
 
 def test_resume_auto_under_torchrun_sets_a_truncated_checkpoint_aside(tmp_path, data_dir):
@@ -239,7 +244,7 @@ def test_resume_auto_under_torchrun_sets_a_truncated_checkpoint_aside(tmp_path, 
         str(RECIPE),
         "--data-dir",
         str(data_dir),
-        "--no-progress",
+        "--no-progress-bar",
         "--global-batch-size",
         "64",
         "--checkpoint-dir",

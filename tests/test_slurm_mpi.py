@@ -77,7 +77,7 @@ def _recipe_args(data_dir: Path, ckpt_dir: Path) -> list[str]:
         "--data-dir",
         str(data_dir),
         "--dry-run",
-        "--no-progress",
+        "--no-progress-bar",
         "--checkpoint-dir",
         str(ckpt_dir),
     ]
@@ -343,7 +343,7 @@ def test_sbatch_requeues_a_signalled_job_that_resumes_where_it_stopped(
     trained twice."""
     steps = 300  # 15 epochs of 20 steps: seconds, so the signal lands mid-run
     args = [
-        *("--data-dir", str(workdir / "data"), "--no-progress", "--global-batch-size", "32"),
+        *("--data-dir", str(workdir / "data"), "--no-progress-bar", "--global-batch-size", "32"),
         *("--epochs", str(steps // 20), "--max-steps", str(steps)),
     ]
     reference = tmp_path / "reference-ckpt"

@@ -1,6 +1,7 @@
 """TrainerConfig: every knob of the loop, as a keyword-only dataclass whose errors name the fix.
 
     cfg = TrainerConfig(global_batch_size=128, epochs=10, checkpoint_dir="ckpt", resume="auto")
+    ddptrain.flags.add_flags(parser, [TrainerConfig])    # each field a flag: --global-batch-size
 
 Batch sizes are GLOBAL: one optimizer step sees `global_batch_size` samples in all, split into
 world_size ranks x grad_accum_steps micro-batches of `global_batch_size // (world_size *
@@ -11,22 +12,19 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from ddptrain.comm import NAMES
 from ddptrain.compress.powersgd import NAMED_RANK, NAMED_START_STEP
+from ddptrain.flags import NON_NEGATIVE, POSITIVE, Check, check_fields, setting
+from ddptrain.train.health import LOST_RANK_EXIT_CODE
 from ddptrain.train.log import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
-from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, signal_number
+from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, PREEMPTED_EXIT_CODE, signal_number
 
 # Settings that define the sample order and step size: a resumed run must keep them.
 RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last")
-PRECISIONS = ("fp32", "bf16", "fp16")
 # The names ddptrain/comm.py resolves: "default" is the wrapper's own choice.
 COMM_HOOKS = NAMES
-NONFINITE_POLICIES = ("stop", "skip")
-# 0: every rank keeps the whole optimizer state; 1: ZeRO stage 1 shards it across ranks;
-# 2: gradients too (reduce-scattered); 3: parameters too, gathered per unit as they are used.
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 class ConfigError(ValueError):
@@ -35,112 +33,248 @@ class ConfigError(ValueError):
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    """Settings of Trainer.fit(); validated on construction."""
+    """Settings of Trainer.fit(); validated on construction. Each field is also a recipe's
+    command-line flag (`--field-name`), with this help and check (ddptrain/flags.py)."""
 
-    global_batch_size: int = 128
-    epochs: int = 1
-    max_steps: int | None = None
-    grad_accum_steps: int = 1
-    grad_clip_norm: float | None = None
-    precision: str = "fp32"
-    seed: int = 0
-    shuffle: bool = True
-    drop_last: bool = False
-    num_workers: int = 0
-    eval_batch_size: int = 1000
-    eval_every_steps: int | None = None
-    log_every_steps: int = 50
-    log_dir: str | None = None
-    progress_bar: bool | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every_steps: int | None = None
-    # Also save when this many minutes passed since the last save (rank 0's clock decides).
-    checkpoint_every_minutes: float | None = None
-    keep_last: int = 3
-    best_metric: str | None = None
-    best_mode: str = "max"
-    resume: str | None = None
-    backend: str | None = None
-    timeout_s: float = 300.0
-    bucket_cap_mb: float = 25.0
-    comm_hook: str = "default"
-    # comm_hook="powersgd": the rank of each compressed gradient, and the steps averaged
-    # uncompressed first (docs/guide.md, "When to compress").
-    powersgd_rank: int = NAMED_RANK
-    powersgd_start_step: int = NAMED_START_STEP
-    # BatchNorm statistics over the global batch (SyncBatchNorm): for small per-rank batches.
-    sync_batchnorm: bool = False
-    nonfinite: str = "stop"
-    heartbeat_timeout_s: float | None = 30.0
-    # With checkpoint_dir: on these signals save at the next step boundary and exit with
-    # ddptrain.train.preempt.PREEMPTED_EXIT_CODE (train/preempt.py); () keeps their defaults.
-    preempt_signals: tuple[str, ...] = DEFAULT_PREEMPT_SIGNALS
-    check_replicas_every: int | None = None
-    zero_stage: int = 0
-    loggers: tuple[str, ...] = ("jsonl",)
-    profile_steps: tuple[int, int] | None = None
+    # ----------------------------------------------------------------- training
+    global_batch_size: int = setting(
+        128,
+        "samples per optimizer step, summed over ranks and micro-steps; divisible by world "
+        "size x grad_accum_steps",
+        group="training",
+        check=POSITIVE,
+    )
+    epochs: int = setting(1, "passes over the training set", group="training", check=POSITIVE)
+    max_steps: int | None = setting(
+        None,
+        "stop after N optimizer steps",
+        group="training",
+        check=POSITIVE,
+        unset="all the epochs",
+    )
+    grad_accum_steps: int = setting(
+        1,
+        "micro-steps per optimizer step, all but the last under no_sync()",
+        group="training",
+        check=POSITIVE,
+    )
+    grad_clip_norm: float | None = setting(
+        None,
+        "clip the averaged gradients to this global norm",
+        group="training",
+        check=POSITIVE,
+        unset="no clipping",
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = setting(
+        "fp32",
+        "bf16: the forward under autocast; fp16: autocast and GradScaler, CUDA only",
+        group="training",
+    )
+    seed: int = setting(
+        0,
+        "seed of the model's initial weights, the data order and dropout",
+        group="training",
+    )
+    shuffle: bool = setting(
+        True, "shuffle the training order each epoch (seeded)", group="training"
+    )
+    drop_last: bool = setting(
+        False,
+        "drop the last partial global batch instead of padding it by wrapping around",
+        group="training",
+    )
+    num_workers: int = setting(
+        0, "DataLoader worker processes per rank", group="training", check=NON_NEGATIVE
+    )
+    nonfinite: Literal["stop", "skip"] = setting(
+        "stop",
+        "on inf/NaN averaged gradients: stop raises NonFiniteError on every rank, skip drops "
+        "the step",
+        group="training",
+    )
+    # ----------------------------------------------------------------- evaluation
+    eval_batch_size: int = setting(
+        1000, "evaluation batch size per rank", group="evaluation", check=POSITIVE
+    )
+    eval_every_steps: int | None = setting(
+        None,
+        "evaluate every N optimizer steps; always once at the end",
+        group="evaluation",
+        check=POSITIVE,
+        unset="at each epoch's end",
+    )
+    # ----------------------------------------------------------------- checkpoints
+    checkpoint_dir: str | None = setting(
+        None,
+        "where rank 0 writes checkpoints",
+        group="checkpoints",
+        metavar="DIR",
+        unset="none, no checkpoints",
+    )
+    checkpoint_every_steps: int | None = setting(
+        None,
+        "checkpoint every N optimizer steps; always one at the end",
+        group="checkpoints",
+        check=POSITIVE,
+        unset="at each epoch's end",
+    )
+    checkpoint_every_minutes: float | None = setting(
+        None,
+        "also checkpoint when this many minutes passed since the last one (rank 0's clock "
+        "decides for every rank)",
+        group="checkpoints",
+        metavar="M",
+        check=POSITIVE,
+        unset="none",
+    )
+    keep_last: int = setting(
+        3,
+        "keep the newest K checkpoints (and the best one), delete older ones",
+        group="checkpoints",
+        metavar="K",
+        check=POSITIVE,
+    )
+    best_metric: str | None = setting(
+        None,
+        "the evaluation metric that picks the best checkpoint, e.g. eval_accuracy",
+        group="checkpoints",
+        metavar="NAME",
+        unset="none",
+    )
+    best_mode: Literal["max", "min"] = setting(
+        "max",
+        "whether the best checkpoint has the largest or smallest metric",
+        group="checkpoints",
+    )
+    resume: str | None = setting(
+        None,
+        "auto: the newest valid checkpoint in the checkpoint dir (newer invalid ones moved "
+        "into its invalid/), or a fresh start; or a checkpoint's path",
+        group="checkpoints",
+        metavar="{auto,PATH}",
+        unset="a fresh start",
+    )
+    preempt_signals: tuple[str, ...] = setting(
+        DEFAULT_PREEMPT_SIGNALS,
+        "with a checkpoint dir, these signals save the current step and exit with status "
+        f"{PREEMPTED_EXIT_CODE}; none keeps their default action",
+        group="checkpoints",
+        metavar="SIG,...",
+    )
+    # ----------------------------------------------------------------- distributed
+    backend: str | None = setting(
+        None,
+        "process-group backend",
+        group="distributed",
+        metavar="NAME",
+        unset="nccl with CUDA, else gloo",
+    )
+    timeout_s: float = setting(
+        300.0,
+        "seconds a rank waits for its peers in a collective",
+        group="distributed",
+        check=POSITIVE,
+    )
+    heartbeat_timeout_s: float | None = setting(
+        30.0,
+        f"a rank whose peer is silent this long exits with code {LOST_RANK_EXIT_CODE}; none: "
+        "no heartbeat",
+        group="distributed",
+        check=Check(lambda v: v > 1, "> 1 s"),
+    )
+    zero_stage: Literal[0, 1, 2, 3] = setting(
+        0,
+        "shard across ranks: 1 the optimizer state (ZeRO-1), 2 the gradients too, 3 the "
+        "parameters too",
+        group="distributed",
+    )
+    comm_hook: str = setting(
+        "default",
+        "how gradients are averaged over ranks (ddptrain/comm.py): default is the wrapper's "
+        "choice for the device and hosts",
+        group="distributed",
+        metavar="HOOK",
+        choices=COMM_HOOKS,
+    )
+    bucket_cap_mb: float = setting(
+        25.0,
+        "DDP bucket cap in MiB (the first bucket stays <= 1 MiB)",
+        group="distributed",
+        metavar="MB",
+        check=POSITIVE,
+    )
+    powersgd_rank: int = setting(
+        NAMED_RANK,
+        "with comm_hook powersgd: the rank each weight's gradient is compressed to",
+        group="distributed",
+        metavar="R",
+        check=POSITIVE,
+    )
+    powersgd_start_step: int = setting(
+        NAMED_START_STEP,
+        "with comm_hook powersgd: steps averaged uncompressed first (the wrapper rebuilds its "
+        "buckets after the first, which PowerSGD's memory outlives)",
+        group="distributed",
+        check=Check(lambda v: v >= 2, ">= 2"),
+    )
+    sync_batchnorm: bool = setting(
+        False,
+        "BatchNorm statistics over the global batch (SyncBatchNorm), for small per-rank batches",
+        group="distributed",
+    )
+    check_replicas_every: int | None = setting(
+        None,
+        "every N steps, check that every rank holds the same parameters",
+        group="distributed",
+        check=POSITIVE,
+        unset="never",
+    )
+    # ----------------------------------------------------------------- output
+    log_dir: str | None = setting(
+        None,
+        "where rank 0 writes metrics.jsonl (then: python -m ddptrain.plot DIR)",
+        group="output",
+        metavar="DIR",
+        unset="none, no logs",
+    )
+    log_every_steps: int = setting(
+        50, "a training record every N steps (and at the last)", group="output", check=POSITIVE
+    )
+    loggers: tuple[str, ...] = setting(
+        ("jsonl",),
+        "what rank 0 writes into the log dir: jsonl (metrics.jsonl) and/or tensorboard",
+        group="output",
+        metavar="NAME,...",
+        check=Check(lambda v: all(name in LOGGERS for name in v), f"names among {LOGGERS}"),
+    )
+    progress_bar: bool | None = setting(
+        None,
+        "a progress bar on rank 0",
+        group="output",
+        unset="when stderr is a terminal",
+    )
+    profile_steps: tuple[int, int] | None = setting(
+        None,
+        "trace optimizer steps A..B (numbered from 1) per rank into the log dir (Perfetto)",
+        group="output",
+        unset="none",
+        check=Check(lambda v: 1 <= v[0] <= v[1], "(first, last) with 1 <= first <= last"),
+    )
 
     def __post_init__(self) -> None:
-        positive = {
-            "global_batch_size": self.global_batch_size,
-            "epochs": self.epochs,
-            "grad_accum_steps": self.grad_accum_steps,
-            "eval_batch_size": self.eval_batch_size,
-            "log_every_steps": self.log_every_steps,
-            "keep_last": self.keep_last,
-        }
-        optional_positive = {
-            "max_steps": self.max_steps,
-            "eval_every_steps": self.eval_every_steps,
-            "checkpoint_every_steps": self.checkpoint_every_steps,
-            "check_replicas_every": self.check_replicas_every,
-        }
-        for name, value in {**positive, **optional_positive}.items():
-            if value is None and name in optional_positive:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                hint = " (or None)" if name in optional_positive else ""
-                raise ConfigError(f"{name} must be a positive integer{hint}, got {value!r}")
-        if isinstance(self.powersgd_rank, bool) or not isinstance(self.powersgd_rank, int):
-            raise ConfigError(f"powersgd_rank must be an integer >= 1, got {self.powersgd_rank!r}")
-        if self.powersgd_rank < 1:
-            raise ConfigError(f"powersgd_rank must be >= 1, got {self.powersgd_rank}")
-        if self.powersgd_start_step < 2:
+        if isinstance(self.preempt_signals, str):
             raise ConfigError(
-                f"powersgd_start_step must be >= 2, got {self.powersgd_start_step}: the wrapper "
-                "rebuilds its buckets after the first step, which PowerSGD's memory outlives"
+                f"preempt_signals={self.preempt_signals!r}: use a tuple of signal names, e.g. "
+                "('SIGTERM', 'SIGUSR1'), or () to leave every signal's default action"
             )
-        if self.num_workers < 0:
-            raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}")
-        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
-            raise ConfigError(f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}")
-        if self.bucket_cap_mb <= 0:
-            raise ConfigError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
-        if self.heartbeat_timeout_s is not None and not self.heartbeat_timeout_s > 1:
-            raise ConfigError(
-                f"heartbeat_timeout_s must be > 1 s (or None to disable), got "
-                f"{self.heartbeat_timeout_s}"
-            )
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
-        for name, value, allowed in (
-            ("precision", self.precision, PRECISIONS),
-            ("comm_hook", self.comm_hook, COMM_HOOKS),
-            ("nonfinite", self.nonfinite, NONFINITE_POLICIES),
-            ("best_mode", self.best_mode, ("min", "max")),
-        ):
-            if value not in allowed:
-                raise ConfigError(f"{name}={value!r} is not one of {list(allowed)}")
-        if isinstance(self.zero_stage, bool) or self.zero_stage not in ZERO_STAGES:
-            raise ConfigError(
-                f"zero_stage={self.zero_stage!r} is not one of {list(ZERO_STAGES)}: 1 shards the "
-                "optimizer state across ranks, 2 the gradients too, 3 the parameters too"
-            )
+        if isinstance(self.loggers, str):
+            raise ConfigError(f"loggers={self.loggers!r}: use a tuple of {list(LOGGERS)}")
+        for name in ("preempt_signals", "loggers", "profile_steps"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                setattr(self, name, tuple(value))
+        check_fields(self, ConfigError)
         self._check_sharded()
-        if self.resume is not None and self.resume != "auto" and not isinstance(self.resume, str):
-            raise ConfigError(
-                f"resume must be None, 'auto' or a checkpoint path, got {self.resume!r}"
-            )
         if self.resume == "auto" and not self.checkpoint_dir:
             raise ConfigError("resume='auto' looks in checkpoint_dir; set checkpoint_dir too")
         self._check_preemption()
@@ -152,32 +286,24 @@ class TrainerConfig:
         self._check_observability()
 
     def _check_preemption(self) -> None:
-        minutes = self.checkpoint_every_minutes
-        if minutes is not None:
-            if isinstance(minutes, bool) or not isinstance(minutes, int | float) or minutes <= 0:
+        for name in ("checkpoint_every_steps", "checkpoint_every_minutes"):
+            value = getattr(self, name)
+            if value is not None and not self.checkpoint_dir:
                 raise ConfigError(
-                    f"checkpoint_every_minutes must be > 0 (or None), got {minutes!r}"
+                    f"{name}={value} saves into checkpoint_dir; set checkpoint_dir too"
                 )
-            if not self.checkpoint_dir:
-                raise ConfigError(
-                    f"checkpoint_every_minutes={minutes} saves into checkpoint_dir; set "
-                    "checkpoint_dir too"
-                )
-        if isinstance(self.preempt_signals, str):
-            raise ConfigError(
-                f"preempt_signals={self.preempt_signals!r}: use a tuple of signal names, e.g. "
-                "('SIGTERM', 'SIGUSR1'), or () to leave every signal's default action"
-            )
+        numbers = []
         for name in self.preempt_signals:
             try:
-                number = signal_number(name)
+                numbers.append(signal_number(name))
             except ValueError as e:
                 raise ConfigError(f"preempt_signals: {e}") from None
-            if number in (signal.SIGKILL, signal.SIGSTOP):
+            if numbers[-1] in (signal.SIGKILL, signal.SIGSTOP):
                 raise ConfigError(
-                    f"preempt_signals: {number.name} cannot be caught; use SIGTERM, SIGINT, "
+                    f"preempt_signals: {numbers[-1].name} cannot be caught; use SIGTERM, SIGINT, "
                     "SIGUSR1 or SIGUSR2"
                 )
+        self.preempt_signals = tuple(number.name for number in numbers)
 
     def _check_sharded(self) -> None:
         """Refuse what cannot work when gradients and parameters are sharded (stages 2, 3)."""
@@ -215,25 +341,12 @@ class TrainerConfig:
         )
 
     def _check_observability(self) -> None:
-        unknown = [name for name in self.loggers if name not in LOGGERS]
-        if unknown or isinstance(self.loggers, str):
-            raise ConfigError(f"loggers={self.loggers!r}: use a tuple of {list(LOGGERS)}")
         if "tensorboard" in self.loggers:
             if not tensorboard_installed():
                 raise ConfigError(TENSORBOARD_HINT)
             if not self.log_dir:
                 raise ConfigError("loggers with 'tensorboard' write into log_dir; set log_dir")
         if self.profile_steps is not None:
-            steps = tuple(self.profile_steps)
-            if not (
-                len(steps) == 2
-                and all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
-                and 1 <= steps[0] <= steps[1]
-            ):
-                raise ConfigError(
-                    f"profile_steps={self.profile_steps!r}: use (first, last) optimizer steps, "
-                    "1 <= first <= last, e.g. (5, 7) profiles steps 5, 6 and 7"
-                )
             if not (self.log_dir or self.checkpoint_dir):
                 raise ConfigError(
                     "profile_steps writes one trace per rank into log_dir (or checkpoint_dir); "

@@ -362,8 +362,8 @@ def test_state_refuses_bad_options_with_the_reason(options, match):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"powersgd_rank": 0}, "powersgd_rank must be >= 1"),
-        ({"powersgd_start_step": 1}, "powersgd_start_step must be >= 2"),
+        ({"powersgd_rank": 0}, "powersgd_rank=0: must be a positive integer"),
+        ({"powersgd_start_step": 1}, "powersgd_start_step=1: must be >= 2"),
     ],
 )
 def test_config_refuses_bad_powersgd_options(overrides, match):

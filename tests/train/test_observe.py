@@ -109,8 +109,10 @@ def test_config_names_the_fix_for_bad_observability_settings():
         TrainerConfig(profile_steps=(3, 2), log_dir="x")
     with pytest.raises(ValueError, match="set log_dir"):
         TrainerConfig(profile_steps=(1, 2))
-    with pytest.raises(ValueError, match="use a tuple of"):
+    with pytest.raises(ValueError, match="names among"):
         TrainerConfig(loggers=("wandb",))
+    with pytest.raises(ValueError, match="use a tuple of"):
+        TrainerConfig(loggers="jsonl")
 
 
 def test_a_run_resumed_inside_the_profiled_range_traces_the_rest(tmp_path):

@@ -86,7 +86,7 @@ def test_a_boundary_with_nothing_wanted_agrees_on_nothing_and_a_timed_save_on_no
         ({"preempt_signals": ("SIGFOO",)}, "unknown signal 'SIGFOO'"),
         ({"preempt_signals": ("SIGKILL",)}, "SIGKILL cannot be caught"),
         ({"preempt_signals": "SIGTERM"}, "use a tuple of signal names"),
-        ({"checkpoint_every_minutes": 0}, "checkpoint_every_minutes must be > 0"),
+        ({"checkpoint_every_minutes": 0}, r"checkpoint_every_minutes=0: must be > 0 \(or None\)"),
         ({"checkpoint_dir": None, "resume": None}, "saves into checkpoint_dir; set"),
     ],
 )

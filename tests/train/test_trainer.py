@@ -23,6 +23,8 @@ from support.toy_models import N_EVAL, ToyTrainer
 
 
 def _config(tmp_path, **overrides) -> TrainerConfig:
+    if overrides.get("checkpoint_dir", "given") is None:
+        overrides.setdefault("checkpoint_every_steps", None)
     base = TrainerConfig(
         global_batch_size=12,
         epochs=4,
@@ -179,11 +181,12 @@ def test_resume_with_incompatible_config_names_the_setting(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"global_batch_size": 0}, "global_batch_size must be a positive integer"),
-        ({"precision": "fp8"}, "precision='fp8' is not one of"),
+        ({"global_batch_size": 0}, "global_batch_size=0: must be a positive integer"),
+        ({"precision": "fp8"}, "precision='fp8': must be one of 'fp32', 'bf16', 'fp16'"),
         ({"resume": "auto", "checkpoint_dir": None}, "set checkpoint_dir"),
-        ({"grad_clip_norm": -1.0}, "grad_clip_norm must be > 0"),
-        ({"zero_stage": 4}, r"zero_stage=4 is not one of \[0, 1, 2, 3\]"),
+        ({"grad_clip_norm": -1.0}, r"grad_clip_norm=-1.0: must be > 0 \(or None\)"),
+        ({"zero_stage": 4}, "zero_stage=4: must be one of 0, 1, 2, 3"),
+        ({"checkpoint_every_steps": 5}, "checkpoint_every_steps=5 saves into checkpoint_dir"),
     ],
 )
 def test_config_errors_name_the_fix(overrides, match):
