@@ -1,4 +1,4 @@
-"""The README's and the guide's examples run as written (the guide's settings tables: test_settings)."""
+"""The README's and the guide's examples run as written."""
 
 from __future__ import annotations
 
