@@ -59,6 +59,7 @@ from ddptrain.data.datasets import (
     survey_data_dir,
 )
 from ddptrain.data.download import DownloadError
+from ddptrain.launch.report import under_ddptrain_run
 from ddptrain.models import MLP, LeNet
 from ddptrain.train.config import COMM_HOOKS, PRECISIONS, ZERO_STAGES, TrainerConfig
 from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, signal_number
@@ -186,8 +187,9 @@ def _offline_hint(world_size: int, launcher: str, flags: list[str]) -> str:
         kept.append(flag)
     recipe = shlex.join([sys.argv[0], *kept, "--dataset", "fashion-mnist"])
     if launcher in ("torchrun", "single", "spawn"):
+        runner = "ddptrain-run" if under_ddptrain_run() else "torchrun"
         launch = (
-            f"torchrun --standalone --nproc_per_node={world_size}" if world_size > 1 else "python"
+            f"{runner} --standalone --nproc_per_node={world_size}" if world_size > 1 else "python"
         )
         command = f"{launch} {recipe}"
     else:
