@@ -27,7 +27,7 @@ status 76 (--preempt-signals chooses which); the same command then continues fro
 python recipes/mnist.py --help lists every flag with its default.
 
 The last line printed is a summary:
-    FINAL dataset=mnist test_accuracy=0.99.. epochs=6 steps=1410 wall_s=.. samples_per_s=..
+    FINAL dataset=mnist test_accuracy=0.99.. epoch=6/6 steps=1410 wall_s=.. samples_per_s=..
           world_size=2    (one line)
 """
 
@@ -559,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     accuracy = summary["eval"].get("eval_accuracy", float("nan"))
     ddptrain.print0(
         f"FINAL dataset={args.dataset} test_accuracy={accuracy:.4f} "
-        f"epochs={summary['epoch']} steps={summary['step']} wall_s={summary['wall_s']:.1f} "
+        f"epoch={summary['epoch']}/{config.epochs} steps={summary['step']} "
+        f"wall_s={summary['wall_s']:.1f} "
         f"samples_per_s={summary['samples_per_s']:.0f} world_size={summary['world_size']}"
     )
     if args.target_acc is not None and not accuracy >= args.target_acc:

@@ -145,17 +145,23 @@ def tensorboard_installed() -> bool:
 
 
 class ProgressBar:
-    """A tqdm bar over optimizer steps: loss, samples/s, exposed comm share; off when disabled."""
+    """A tqdm bar over optimizer steps: the epoch (of `epochs`), loss, samples/s, exposed comm
+    share; off when disabled."""
 
-    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+    def __init__(self, total: int, initial: int, enabled: bool, epochs: int | None = None) -> None:
+        self._epochs = epochs
         self._bar = (
             tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True) if enabled else None
         )
 
     def update(self, step: int, record: dict[str, Any]) -> None:
-        """Move to `step` and show the latest loss, throughput and exposed-communication share."""
+        """Move to `step` and show its epoch, the latest loss, throughput and exposed-communication
+        share."""
         if self._bar is None:
             return
+        if "epoch" in record:
+            of = f"/{self._epochs}" if self._epochs else ""
+            self._bar.set_description(f"epoch {record['epoch']}{of}", refresh=False)
         self._bar.update(step - self._bar.n)
         shown = {"loss": f"{record['loss']:.4f}", "samples_s": f"{record['samples_per_s']:.0f}"}
         if "comm_share" in record:

@@ -141,6 +141,15 @@ def test_lines_printed_during_a_progress_bar_go_above_it(capsys):
     for enabled in (True, False):
         bar = logs.ProgressBar(total=10, initial=0, enabled=enabled)
         bar.update(3, {"loss": 0.5, "samples_per_s": 100.0})
-        bar.print("step 3 epoch 0: eval_accuracy=0.9000")
+        bar.print("step 3 epoch 1/2: eval_accuracy=0.9000")
         bar.close()
-        assert capsys.readouterr().out == "step 3 epoch 0: eval_accuracy=0.9000\n"
+        assert capsys.readouterr().out == "step 3 epoch 1/2: eval_accuracy=0.9000\n"
+
+
+def test_the_progress_bar_shows_the_steps_epoch_of_the_runs(capsys):
+    """The bar names the epoch its step belongs to, counted from 1, of the run's epochs."""
+    bar = logs.ProgressBar(total=10, initial=0, enabled=True, epochs=2)
+    bar.update(6, {"epoch": 2, "loss": 0.5, "samples_per_s": 100.0})
+    bar.close()
+    drawn = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert any(line.startswith("epoch 2/2:  60%") for line in drawn), drawn
