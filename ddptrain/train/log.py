@@ -262,8 +262,9 @@ def describe_run(
     resumed_at: int | None,
     epoch_steps: int | None = None,
 ) -> str:
-    """The one-line summary of a run that fit() prints before its first step; `epoch_steps`:
-    the optimizer steps its epochs make (build.epoch_steps), to tell when max_steps cuts in."""
+    """What fit() prints before its first step, in short lines: who runs (launcher, world size,
+    backend, device, precision), the batch split, the steps, the buckets. `epoch_steps`: the
+    optimizer steps its epochs make (build.epoch_steps), to tell when max_steps cuts in."""
     buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
     per_rank = cfg.micro_global_batch_size // info.world_size
     # No sampler: each rank reads its own part of an IterableDataset (train/epochs.py).
@@ -274,15 +275,16 @@ def describe_run(
     if epoch_steps is not None and total_steps < epoch_steps:
         # A --dry-run or --max-steps run stops early: say so rather than promise every epoch.
         epochs = f"max_steps={cfg.max_steps} ends it within {epochs}"
-    return (
-        f"ddptrain: launcher={info.launcher} world_size={info.world_size} "
-        f"backend={info.backend} "
-        f"device={info.device} | global_batch_size={cfg.global_batch_size} = "
-        f"{info.world_size} ranks x {per_rank} per rank x "
-        f"{cfg.grad_accum_steps} accumulation step(s) | {total_steps} optimizer steps "
-        f"({epochs} of {epoch}"
-        f"{'' if resumed_at is None else f', resumed at step {resumed_at}'}) | "
-        f"precision={cfg.precision} | buckets (MiB, launch order)=[{buckets}]"
+    resumed = "" if resumed_at is None else f", resumed at step {resumed_at}"
+    return "\n".join(
+        [
+            f"ddptrain: launcher={info.launcher} world_size={info.world_size} "
+            f"backend={info.backend} device={info.device} precision={cfg.precision}",
+            f"  global_batch_size={cfg.global_batch_size} = {info.world_size} ranks x "
+            f"{per_rank} per rank x {cfg.grad_accum_steps} accumulation step(s)",
+            f"  {total_steps} optimizer steps ({epochs} of {epoch}{resumed})",
+            f"  buckets (MiB, launch order): [{buckets}]",
+        ]
     )
 
 
