@@ -30,6 +30,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ddptrain.dist import print0
+from ddptrain.paths import make_dir
 from ddptrain.train.timing import StepTimes, split_record
 
 LOGGERS = ("jsonl", "tensorboard")
@@ -47,14 +48,8 @@ class MetricsLog:
     """Append-only JSON lines, one record per line, flushed at once so other tools can tail it."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
-        self.path = Path(directory) / "metrics.jsonl"
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise LogDirError(
-                f"cannot create log directory {directory}: {e.strerror or e}; choose a "
-                "log_dir you can write to"
-            ) from None
+        folder = make_dir(directory, "log_dir", LogDirError, "choose a log_dir you can write to")
+        self.path = folder / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if not _ends_a_line(self.path):
             # A run killed mid-write left half a record: end it, or ours would be glued onto it
