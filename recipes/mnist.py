@@ -1,11 +1,13 @@
 """LeNet on MNIST (or Fashion-MNIST) with ddptrain: synchronous data-parallel SGD.
 
 Usage:
-    torchrun --standalone --nproc_per_node=2 recipes/mnist.py    # downloads MNIST into data/
+    ddptrain-run --standalone --nproc_per_node=2 recipes/mnist.py   # downloads MNIST into data/
     python recipes/mnist.py --data-dir data                      # one process, same code path
     # offline machine: Debian ships Fashion-MNIST, a drop-in MNIST replacement
     apt-get install -y dataset-fashion-mnist
-    torchrun --standalone --nproc_per_node=2 recipes/mnist.py --dataset fashion-mnist
+    ddptrain-run --standalone --nproc_per_node=2 recipes/mnist.py --dataset fashion-mnist
+(ddptrain-run is torchrun ending a failed job with the workers' error line and exit code;
+plain torchrun runs it the same.)
 
 The first line printed says where the data was read from. Missing MNIST files are downloaded
 into --data-dir/MNIST/raw/ by local rank 0 of each host (MD5-checked, written under a temporary
@@ -16,6 +18,7 @@ an https://, http:// or file:// folder holding the four .gz files.
 
 Mistakes (flags, settings, data files, checkpoints) print one `error: ...` line and exit 2
 (flags and settings) or 1; --debug (or DDPTRAIN_DEBUG=1) shows the traceback instead.
+Log lines, the progress bar and the FINAL line number epochs from 1 (`step 470 epoch 2/6`).
 
 Checkpoints, and continuing from the newest valid one after a restart:
     python recipes/mnist.py --checkpoint-dir ckpt --resume auto    # the same line each time
