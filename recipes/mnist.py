@@ -2,7 +2,7 @@
 
 Usage:
     ddptrain-run --standalone --nproc_per_node=2 recipes/mnist.py   # downloads MNIST into data/
-    python recipes/mnist.py --data-dir data                      # one process, same code path
+    python recipes/mnist.py --data-dir data                         # one process, same code path
     # offline machine: Debian ships Fashion-MNIST, a drop-in MNIST replacement
     apt-get install -y dataset-fashion-mnist
     ddptrain-run --standalone --nproc_per_node=2 recipes/mnist.py --dataset fashion-mnist
