@@ -255,30 +255,36 @@ def test_a_restart_shows_the_failed_rounds_line_then_the_restart(tmp_path):
     assert finished <= set(done.stdout.splitlines()), done.stdout
 
 
+_SLEEPER = """
+import os, pathlib, time
+pathlib.Path(f"{os.environ['LAUNCH']}-up-{os.environ['RANK']}").touch()
+time.sleep(600)
+"""
+
+
 def test_sigterm_to_workers_that_report_nothing_exits_128_plus_it(tmp_path):
     """SIGTERM to ddptrain-run: torchrun forwards it; workers that are not ddptrain's report
     nothing, so the job ends with one line and 143, where plain torchrun shows a traceback of
     SignalException and exits 1."""
-    (tmp_path / "sleep.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
+    (tmp_path / "sleep.py").write_text(_SLEEPER)
     ends = {}
     for name, launcher in (("ddptrain-run", DDPTRAIN_RUN), ("torchrun", TORCHRUN)):
-        environment = {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}
+        environment = {k: v for k, v in child_env(LAUNCH=name).items() if k != "OMP_NUM_THREADS"}
         proc = subprocess.Popen(
             [*launcher, *TWO, "sleep.py"],
             cwd=tmp_path,
             env=environment,
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
         try:
             deadline = time.monotonic() + 120
-            ups = 0
-            while ups < 2:
+            while len(list(tmp_path.glob(f"{name}-up-*"))) < 2:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-                ups += proc.stdout.readline() == "up\n"
+                time.sleep(0.1)
             proc.send_signal(signal.SIGTERM)
-            out, err = proc.communicate(timeout=120)
+            _, err = proc.communicate(timeout=120)
         finally:
             if proc.poll() is None:
                 proc.kill()

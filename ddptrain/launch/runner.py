@@ -51,7 +51,7 @@ from torch.distributed.launcher.api import elastic_launch
 from ddptrain.launch import report
 
 PROG = "ddptrain-run"
-INTERRUPTED_EXIT_CODE = 130
+INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a job Ctrl-C stopped
 # torchrun's log records that the end of a ddptrain-run job replaces (the summary is shorter,
 # and names the workers' own error); any other record of torchrun's is shown as usual.
 _REPLACED_RECORDS = (
@@ -158,7 +158,9 @@ def _launch(args: argparse.Namespace, root: Path) -> int:
         ending = report.signalled_job(_outcomes(specs), int(e.sigval))
     except KeyboardInterrupt:
         # Ctrl-C before torchrun started any worker (during the rendezvous): nothing to stop.
-        ending = report.Ending([f"{PROG}: interrupted before the workers started"], 130)
+        ending = report.Ending(
+            [f"{PROG}: interrupted before the workers started"], INTERRUPTED_EXIT_CODE
+        )
     except Exception as e:  # noqa: BLE001 - the agent's own failure (rendezvous, a bad flag)
         if args.verbose:
             traceback.print_exc()

@@ -359,11 +359,13 @@ def _resumes_bitwise(tmp_path: Path, name: str) -> bool:
             marks=pytest.mark.slow,
             id="SIGUSR1-forwarded",
         ),
-        # ddptrain-run runs torchrun's agent: the same forwarding.
+        # ddptrain-run runs torchrun's agent: the same forwarding (its Ctrl-C test below runs
+        # by default).
         pytest.param(
             "ddptrain-run",
             signal.SIGUSR1,
             ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"],
+            marks=pytest.mark.slow,
             id="ddptrain-run-SIGUSR1-forwarded",
         ),
     ],
@@ -395,7 +397,8 @@ def test_a_forwarded_signal_saves_the_last_step_and_the_rerun_is_bitwise(
 def test_ctrl_c_under_ddptrain_run_is_one_story_and_exit_status_76(tmp_path):
     """SIGINT to the whole job (a terminal's Ctrl-C reaches ddptrain-run and every worker): the
     step is saved, rank 0's `stopped at step N ... exiting with code 76` is the last line, with
-    no launcher traceback after it, and the job's status is that 76."""
+    no launcher traceback after it, and the job's status is that 76; started again, the run
+    ends bitwise equal to a run never stopped."""
     proc, out, seconds = _signal_mid_run(
         tmp_path, "c", signal.SIGINT, launcher="ddptrain-run", to_group=True
     )
@@ -409,6 +412,7 @@ def test_ctrl_c_under_ddptrain_run_is_one_story_and_exit_status_76(tmp_path):
     assert "exiting with code 76" in last, out
     assert "Traceback" not in out and "SignalException" not in out, out
     assert max(_steps_logged(tmp_path, "c")) == step, out
+    assert _resumes_bitwise(tmp_path, "c")
 
 
 def test_workers_orphaned_by_torchrun_stop_at_the_next_step_with_one_line(tmp_path):
