@@ -13,12 +13,14 @@
 checkpoints, launcher variables and ports, another rank's failure) into one line on stderr and
 exit status 2 (flags and settings) or 1 (the rest), without a traceback. `--debug` or
 DDPTRAIN_DEBUG=1 shows it. Any other exception is a bug: it propagates with its traceback and
-torchrun's `@record` report.
+torchrun's `@record` report. Under ddptrain-run (ddptrain.launch.runner) each rank hands its line
+and exit status to the launcher instead, which prints each line once, after everything else.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import os
 import sys
@@ -33,6 +35,7 @@ from ddptrain.data.download import DownloadError
 from ddptrain.data.idx import IDXFormatError
 from ddptrain.dist import LaunchError, parse_env
 from ddptrain.flags import in_flags
+from ddptrain.launch import report
 from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.config import ConfigError
 from ddptrain.train.health import PeerFailedError
@@ -46,6 +49,9 @@ INTERRUPTED_EXIT_CODE = 130  # 128 + SIGINT: what a shell reports for a job stop
 # when rank 0 failed too, the launcher stops this process meanwhile. Generous, because a loaded
 # machine can take seconds to tear rank 0 down; it delays only a message no other rank prints.
 PEER_GRACE_S = 30.0
+# Under ddptrain-run the line is not printed twice whatever the order; the wait only lets the
+# failing peer leave first, so that the launcher names it as the first failure.
+PEER_GRACE_UNDER_LAUNCHER_S = 5.0
 T = TypeVar("T")
 
 
@@ -165,36 +171,57 @@ def run_main(
     settings: Sequence[type] = (),
 ) -> int:
     """Run `main(argv)` under torchrun's `@record`; a user error or Ctrl-C prints one line and
-    returns the exit status. `settings`: the dataclasses the flags were made from
-    (ddptrain/flags.py), so that an error about a setting names its flag."""
+    returns the exit status. Under ddptrain-run the line goes to the launcher instead, which
+    prints each rank's once, after everything else. `settings`: the dataclasses the flags
+    were made from (ddptrain/flags.py), so that an error about a setting names its flag."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
     @record
     def guarded() -> int:
         try:
-            return main(argv)
+            code = main(argv)
         except USER_ERRORS as e:
             if debug:
                 raise
-            rank = _rank()
-            line = in_flags(format_error(e), *settings)
-            if rank == 0:
-                print(line, file=sys.stderr, flush=True)
-            elif not _same_on_every_rank(e):
-                # Only this rank may have seen it (a file on its host, its LOCAL_RANK).
-                time.sleep(PEER_GRACE_S)
-                print(f"{line} (rank {rank})", file=sys.stderr, flush=True)
-            return exit_code(e)
+            return _user_error(e, settings)
         except KeyboardInterrupt:
             if debug:
                 raise
             # Ctrl-C reaches every rank of the terminal's job: one line for the job, from rank 0.
             if _rank() == 0:
                 print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            report.worker_exit(INTERRUPTED_EXIT_CODE)
             return INTERRUPTED_EXIT_CODE
+        except SystemExit as e:  # a Preempted stop, or sys.exit(n) inside main
+            report.worker_exit(e.code if isinstance(e.code, int) else USER_EXIT_CODE)
+            raise
+        report.worker_exit(code or 0)
+        return code
 
     return guarded()
+
+
+def _user_error(e: BaseException, settings: Sequence[type]) -> int:
+    """Print (or hand to ddptrain-run) the one line for a user error, a setting named by its
+    flag; its exit status."""
+    line, code, same = in_flags(format_error(e), *settings), exit_code(e), _same_on_every_rank(e)
+    follows_peer = isinstance(e, PeerFailedError)
+    rank = _rank()
+    if report.worker_exit(code, line, same_on_every_rank=same, follows_peer=follows_peer):
+        if follows_peer:
+            # The peer's own failure is the one to report: let the launcher see it first. Short,
+            # and cut short by a signal, so that it stays inside torchrun's shutdown timeout.
+            with contextlib.suppress(KeyboardInterrupt):
+                time.sleep(PEER_GRACE_UNDER_LAUNCHER_S)
+        return code
+    if rank == 0:
+        print(line, file=sys.stderr, flush=True)
+    elif not same:
+        # Only this rank may have seen it (a file on its host, its LOCAL_RANK).
+        time.sleep(PEER_GRACE_S)
+        print(f"{line} (rank {rank})", file=sys.stderr, flush=True)
+    return code
 
 
 def _same_on_every_rank(e: BaseException) -> bool:

@@ -125,9 +125,11 @@ def torchrun(
     rdzv_id: str,
     args: list[str],
     rdzv_port: int = RDZV_PORT,
+    launcher: str = "torch.distributed.run",
 ) -> list[str]:
     """The command that starts torchrun's agent for this host's ranks, inside `host`; the
-    c10d rendezvous store lives on `rendezvous`. Run it with `host.env()`."""
+    c10d rendezvous store lives on `rendezvous`. Run it with `host.env()`. `launcher`: the
+    module that runs the agent, torchrun's or ddptrain-run's (`ddptrain.run`)."""
     # A fake host cannot recognize its veth address as itself (the hostname resolves to
     # loopback), so who hosts the store is said explicitly, and each agent advertises its veth
     # address rather than the hostname. c10d numbers nodes in sorted order of --local-addr.
@@ -136,7 +138,7 @@ def torchrun(
         [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            launcher,
             "--max-restarts=0",
             f"--nnodes={nnodes}",
             f"--nproc_per_node={nproc_per_node}",

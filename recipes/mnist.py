@@ -1,11 +1,13 @@
 """LeNet on MNIST (or Fashion-MNIST) with ddptrain: synchronous data-parallel SGD.
 
 Usage:
-    torchrun --standalone --nproc_per_node=2 recipes/mnist.py    # downloads MNIST into data/
-    python recipes/mnist.py --data-dir data                      # one process, same code path
+    ddptrain-run --standalone --nproc_per_node=2 recipes/mnist.py   # downloads MNIST into data/
+    python recipes/mnist.py --data-dir data                         # one process, same code path
     # offline machine: Debian ships Fashion-MNIST, a drop-in MNIST replacement
     apt-get install -y dataset-fashion-mnist
-    torchrun --standalone --nproc_per_node=2 recipes/mnist.py --dataset fashion-mnist
+    ddptrain-run --standalone --nproc_per_node=2 recipes/mnist.py --dataset fashion-mnist
+(ddptrain-run is torchrun ending a failed job with the workers' error line and exit code;
+plain torchrun runs it the same.)
 
 The first line printed says where the data was read from. Missing MNIST files are downloaded
 into --data-dir/MNIST/raw/ by local rank 0 of each host (MD5-checked, written under a temporary
@@ -16,6 +18,7 @@ an https://, http:// or file:// folder holding the four .gz files.
 
 Mistakes (flags, settings, data files, checkpoints) print one `error: ...` line and exit 2
 (flags and settings) or 1; --debug (or DDPTRAIN_DEBUG=1) shows the traceback instead.
+Log lines, the progress bar and the FINAL line number epochs from 1 (`step 470 epoch 2/6`).
 
 Checkpoints, and continuing from the newest valid one after a restart:
     python recipes/mnist.py --checkpoint-dir ckpt --resume auto    # the same line each time
@@ -27,7 +30,7 @@ status 76 (--preempt-signals chooses which); the same command then continues fro
 python recipes/mnist.py --help lists every flag with its default.
 
 The last line printed is a summary:
-    FINAL dataset=mnist test_accuracy=0.99.. epochs=6 steps=1410 wall_s=.. samples_per_s=..
+    FINAL dataset=mnist test_accuracy=0.99.. epoch=6/6 steps=1410 wall_s=.. samples_per_s=..
           world_size=2    (one line)
 """
 
@@ -54,6 +57,7 @@ from ddptrain.data.datasets import (
 )
 from ddptrain.data.download import DownloadError
 from ddptrain.flags import NON_NEGATIVE, POSITIVE, PROBABILITY, add_flags, from_flags, setting
+from ddptrain.launch.report import under_ddptrain_run
 from ddptrain.models import MLP, LeNet
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.trainer import Trainer
@@ -181,8 +185,9 @@ def _offline_hint(world_size: int, launcher: str, flags: list[str]) -> str:
         kept.append(flag)
     recipe = shlex.join([sys.argv[0], *kept, "--dataset", "fashion-mnist"])
     if launcher in ("torchrun", "single", "spawn"):
+        runner = "ddptrain-run" if under_ddptrain_run() else "torchrun"
         launch = (
-            f"torchrun --standalone --nproc_per_node={world_size}" if world_size > 1 else "python"
+            f"{runner} --standalone --nproc_per_node={world_size}" if world_size > 1 else "python"
         )
         command = f"{launch} {recipe}"
     else:
@@ -314,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     accuracy = summary["eval"].get("eval_accuracy", float("nan"))
     ddptrain.print0(
         f"FINAL dataset={args.dataset} test_accuracy={accuracy:.4f} "
-        f"epochs={summary['epoch']} steps={summary['step']} wall_s={summary['wall_s']:.1f} "
+        f"epoch={summary['epoch']}/{config.epochs} steps={summary['step']} "
+        f"wall_s={summary['wall_s']:.1f} "
         f"samples_per_s={summary['samples_per_s']:.0f} world_size={summary['world_size']}"
     )
     if args.target_acc is not None and not accuracy >= args.target_acc:

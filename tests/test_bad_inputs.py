@@ -142,8 +142,7 @@ CASES: dict[str, Case] = {
     ),
     "ckpt-missing": Case(
         ckpt.CheckpointError,
-        f"ckpt-00000099.pt does not exist or is not a file{GAP}pick one with "
-        "latest_checkpoint(dir)",
+        "ckpt-00000099.pt does not exist; pick one with latest_checkpoint(dir)",
         make.resume_missing,
     ),
     "ckpt-corrupt": Case(

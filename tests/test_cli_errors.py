@@ -58,7 +58,7 @@ def _config_error() -> ValueError:
         (_config_error, 2),
         (lambda: cli.UsageError("argument --lr: must be > 0, got -1"), 2),
         (lambda: IDXFormatError("labels: label 12 at index 7\nis outside 0..9"), 1),
-        (lambda: CheckpointError("cannot create checkpoint directory /proc/x"), 1),
+        (lambda: CheckpointError("cannot create checkpoint_dir /proc/x"), 1),
     ],
 )
 def test_user_error_is_one_line_on_stderr_and_an_exit_code(rank0, capsys, make_error, code):
@@ -295,12 +295,25 @@ CLI_CASES: dict[str, CliCase] = {
     "cli-data-dir-unwritable": CliCase(
         lambda f: ["--data-dir", str(f["file"] / "data"), "--mirror", closed_port_url()],
         1,
-        f"error: cannot create{GAP}to download into{GAP}choose a data folder you can write to",
+        f"error: cannot create{GAP}to download into:{GAP}/file is a file, not a directory; "
+        "choose a data folder you can write to",
+    ),
+    "cli-data-dir-is-a-file": CliCase(
+        lambda f: ["--dataset", "fashion-mnist", "--data-dir", str(f["file"])],
+        1,
+        f"error: --data-dir{GAP}/file is a file, not a folder; point --data-dir at a folder",
     ),
     "cli-log-dir-unwritable": CliCase(
         lambda f: _data(f, "--max-steps", "1", "--log-dir", str(f["file"] / "logs")),
         1,
-        f"error: cannot create log directory{GAP}choose a --log-dir you can write to",
+        f"error: cannot create --log-dir{GAP}/file/logs:{GAP}/file is a file, not a directory; "
+        "choose a --log-dir you can write to",
+    ),
+    "cli-log-dir-is-a-file": CliCase(
+        lambda f: _data(f, "--max-steps", "1", "--log-dir", str(f["file"])),
+        1,
+        f"error: --log-dir{GAP}/file is a file, not a directory; choose a --log-dir you can "
+        "write to",
     ),
     "cli-resume-sidecar": CliCase(
         lambda f: _data(f, "--resume", str(f["ckpt"] / "ckpt-00000001.json")),
@@ -311,7 +324,26 @@ CLI_CASES: dict[str, CliCase] = {
     "cli-checkpoint-dir-unwritable": CliCase(
         lambda f: _data(f, "--checkpoint-dir", str(f["file"] / "ckpt")),
         1,
-        f"error: cannot create checkpoint directory{GAP}choose a directory you can write to",
+        f"error: cannot create --checkpoint-dir{GAP}/file/ckpt:{GAP}/file is a file, not a "
+        "directory; choose a directory you can write to",
+    ),
+    "cli-checkpoint-dir-is-a-file": CliCase(
+        lambda f: _data(f, "--checkpoint-dir", str(f["file"])),
+        1,
+        f"error: --checkpoint-dir{GAP}/file is a file, not a directory; choose a directory you "
+        "can write to",
+    ),
+    "cli-resume-empty-file": CliCase(
+        lambda f: _data(f, "--resume", str(f["empty_file"])),
+        1,
+        f"error:{GAP}/empty.pt is an empty file, not a checkpoint; pick one with "
+        "latest_checkpoint(dir)",
+    ),
+    "cli-resume-missing": CliCase(
+        lambda f: _data(f, "--resume", str(f["missing"] / "ckpt-00000001.pt")),
+        1,
+        f"error:{GAP}/missing/ckpt-00000001.pt does not exist; pick one with "
+        "latest_checkpoint(dir)",
     ),
     "cli-label-out-of-range": CliCase(
         lambda f: ["--data-dir", str(f["bad_labels"]), "--no-progress-bar"],
@@ -366,6 +398,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     labels[7] = 12
     (root / "bad_labels/train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(idx_bytes(labels)))
     (root / "file").write_text("not a folder")
+    (root / "empty.pt").touch()
     (root / "empty").mkdir()
     (root / "nothing").mkdir()
     (root / "ckpt").mkdir()
@@ -375,7 +408,11 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     write_split(root / "fashion", "t10k", 50, first_labels=FASHION_FIRST_LABELS["t10k"])
     write_split(root / "fashion_test", "t10k", 50, first_labels=FASHION_FIRST_LABELS["t10k"])
     names = ["data", "bad_labels", "file", "empty", "nothing", "ckpt", "fashion", "fashion_test"]
-    return {"missing": root / "missing", **{name: root / name for name in names}}
+    return {
+        "missing": root / "missing",
+        "empty_file": root / "empty.pt",
+        **{name: root / name for name in names},
+    }
 
 
 @pytest.mark.parametrize("case_id", list(CLI_CASES))

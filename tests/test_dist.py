@@ -222,6 +222,21 @@ def test_spawn_workers_see_the_callers_environment_now(start_method, monkeypatch
         assert results == [(mark, default)]
 
 
+def _report_folder():
+    import os
+
+    from ddptrain.launch.report import REPORT_DIR_ENV
+
+    return os.environ.get(REPORT_DIR_ENV)
+
+
+def test_spawn_workers_do_not_report_to_the_callers_ddptrain_run(monkeypatch, tmp_path):
+    """A worker of ddptrain-run that spawns its own ranks keeps them out of the launcher's
+    report folder: they are not its workers."""
+    monkeypatch.setenv("DDPTRAIN_REPORT_DIR", str(tmp_path))
+    assert ddptrain.spawn(_report_folder, 2, timeout_s=60) == [None, None]
+
+
 def test_spawn_refuses_an_unknown_start_method():
     """start_method other than forkserver/spawn is a ValueError naming the choices."""
     with pytest.raises(ValueError, match="'forkserver' or 'spawn'"):

@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from support.child_env import child_env
 from support.doc_blocks import python_block
 from support.idx_files import write_split
+from support.launch_cmds import DDPTRAIN_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
@@ -27,11 +29,40 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return done
 
 
-def test_readme_quick_start_runs_as_one_process_and_under_torchrun(tmp_path):
-    """README's train.py prints the world size it ran at and a finite mean loss, alone and at 2."""
+def _bash_blocks(doc: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", (ROOT / doc).read_text(), flags=re.DOTALL)
+
+
+def test_readme_and_guide_give_the_same_set_up_with_the_cpu_torch_command_written_out():
+    """The first command block of the README's set-up and of the guide is the same, and its
+    first line installs CPU-only torch in one command (the CUDA path is PyTorch's selector)."""
+    readme = (ROOT / "README.md").read_text().split("## Set up", 1)[1]
+    guide = (ROOT / "docs" / "guide.md").read_text().split("Set-up, as in the README:", 1)[1]
+    blocks = [
+        re.search(r"```bash\n(.*?)```", text, flags=re.DOTALL).group(1) for text in (readme, guide)
+    ]
+    assert blocks[0] == blocks[1]
+    first = blocks[0].splitlines()[0]
+    assert first.startswith("pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    for text in (readme, guide):
+        assert "https://pytorch.org/get-started/locally/" in text.split("\n\n## ", 1)[0]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/guide.md"])
+def test_launch_commands_use_ddptrain_run(doc):
+    """Every multi-process command in the README's and the guide's command blocks starts the
+    job with ddptrain-run (plain torchrun is mentioned in the text, not commanded)."""
+    lines = [line.strip() for block in _bash_blocks(doc) for line in block.splitlines()]
+    assert not [line for line in lines if re.search(r"(^|&& |\s)torchrun ", line)], doc
+    assert any("ddptrain-run --standalone" in line for line in lines), doc
+
+
+def test_readme_quick_start_runs_as_one_process_and_under_ddptrain_run(tmp_path):
+    """README's train.py prints the world size it ran at and a finite mean loss, alone and at 2
+    under ddptrain-run."""
     (tmp_path / "train.py").write_text(python_block("README.md", "ddptrain.DDP(LeNet()"))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    for world_size, launch in ((1, [sys.executable]), (2, [*torchrun, "--nproc_per_node=2"])):
+    run = [*DDPTRAIN_RUN, "--standalone", "--nproc_per_node=2"]
+    for world_size, launch in ((1, [sys.executable]), (2, run)):
         out = _run([*launch, "train.py"], tmp_path).stdout
         found = re.findall(r"^world_size=(\d+) loss=(\S+)$", out, flags=re.MULTILINE)
         assert len(found) == 1, out  # rank 0 only prints

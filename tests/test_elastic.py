@@ -1,5 +1,6 @@
 """An elastic torchrun job (--nnodes=1:2, c10d rendezvous) shrinks to one agent when the other
-dies and grows back when it returns, losing no step either way (two agents on this host).
+dies and grows back when it returns, losing no step either way (two agents on this host, one
+under ddptrain-run and one under torchrun: the same agent).
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:2 --nproc_per_node=1 \\
         --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:PORT --rdzv-id=elastic --max-restarts=5 \\
@@ -15,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import torch
 
 from support import worlds
 from support.child_env import child_env
+from support.launch_cmds import LAUNCHERS
 
 JOB = Path(__file__).resolve().parent / "support" / "fault_job.py"
 # Each phase waits for the next log record it needs; a working job gets there in seconds (a few
@@ -36,11 +37,11 @@ EPOCHS, STEPS = 6, 48  # 8 steps an epoch: 96 samples, a global batch of 12 at a
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(4 * PHASE_S + 60)]
 
 
-def _agent(port: int, tmp_path: Path, name: str, hosts_store: bool) -> subprocess.Popen:
+def _agent(
+    port: int, tmp_path: Path, name: str, hosts_store: bool, launcher: str
+) -> subprocess.Popen:
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *LAUNCHERS[launcher],
         "--nnodes=1:2",
         "--nproc_per_node=1",
         "--rdzv-backend=c10d",
@@ -121,8 +122,9 @@ def test_an_agent_leaves_and_returns_and_the_job_loses_no_step(tmp_path):
     B started again: A's worker saves on torchrun's SIGTERM and both go on at world size 2 from
     that step. Every step is trained once, and the model learns."""
     port = worlds.free_port()
-    a = _agent(port, tmp_path, "agent-a", hosts_store=True)
-    b = _agent(port, tmp_path, "agent-b", hosts_store=False)
+    # ddptrain-run runs torchrun's own agent: A under it, B under torchrun, B's return under it.
+    a = _agent(port, tmp_path, "agent-a", hosts_store=True, launcher="ddptrain-run")
+    b = _agent(port, tmp_path, "agent-b", hosts_store=False, launcher="torchrun")
     agents = [a, b]
     try:
         _wait_for(tmp_path, "step 3 at world size 2", lambda r: _trained(r) >= 3, agents)
@@ -130,7 +132,7 @@ def test_an_agent_leaves_and_returns_and_the_job_loses_no_step(tmp_path):
         agents = [a]
         # B's return takes seconds (an interpreter, a rendezvous round): A trains meanwhile.
         _wait_for(tmp_path, "a start at world size 1", lambda r: len(_starts(r)) >= 2, agents)
-        b = _agent(port, tmp_path, "agent-b-again", hosts_store=False)
+        b = _agent(port, tmp_path, "agent-b-again", hosts_store=False, launcher="ddptrain-run")
         agents = [a, b]
         records = _wait_for(tmp_path, "the run's end", lambda r: _trained(r, 2) == STEPS, agents)
         for agent in agents:
@@ -163,3 +165,9 @@ def test_an_agent_leaves_and_returns_and_the_job_loses_no_step(tmp_path):
     assert final["summary"]["step"] == STEPS
     assert final["summary"]["eval"]["eval_accuracy"] > 0.6, final["summary"]
     assert "its torchrun agent" in _outputs(tmp_path)
+    # ddptrain-run says why its workers started again: B's loss failed the round (a restart
+    # spent), then B joined (a change of membership).
+    said = (tmp_path / "agent-a.out").read_text()
+    assert "ddptrain-run: restarting the workers (restart 1 of 5, world_size 1)" in said, said
+    joined = "ddptrain-run: the job's membership changed; restarting the workers (world_size 2)"
+    assert joined in said, said

@@ -2,12 +2,13 @@
 
     pytest tests/test_multinode.py -rs       # needs root and `ip netns`; -rs prints why if skipped
 
-torchrun --nnodes=2 --nproc_per_node=2 runs tests/support/multinode_job.py in each namespace
-with c10d rendezvous over the veth, and the trained parameters must equal, bit for bit, a
-single-host world of 4 started by ddptrain.spawn (tests/support/spawned_refs.py) that sums
-gradients with the same gloo all_reduce. Every address used is on the private 10.231.77.0/24
-that exists only inside the two namespaces, which are deleted afterwards; in a run as non-root,
-or where `ip netns` is not permitted, the test is skipped with the error.
+torchrun's agent (--nnodes=2 --nproc_per_node=2; ddptrain-run in one namespace, torchrun in
+the other) runs tests/support/multinode_job.py in each namespace with c10d rendezvous over the
+veth, and the trained parameters must equal, bit for bit, a single-host world of 4 started by
+ddptrain.spawn (tests/support/spawned_refs.py) that sums gradients with the same gloo
+all_reduce. Every address used is on the private 10.231.77.0/24 that exists only inside the two
+namespaces, which are deleted afterwards; in a run as non-root, or where `ip netns` is not
+permitted, the test is skipped with the error.
 """
 
 from __future__ import annotations
@@ -92,10 +93,15 @@ def test_two_namespaces_equal_one_host_of_four(two_hosts, tmp_path):
     a, b = two_hosts
     multi_out = tmp_path / "two_nodes.pt"
     commands, envs = [], []
-    for host in (a, b):
+    # Host a's agent runs under ddptrain-run, b's under torchrun: the same agent, so they mix.
+    for host, launcher in ((a, "ddptrain.run"), (b, "torch.distributed.run")):
         job = [str(JOB), "--out", str(multi_out)]
         rdzv_id = f"ddptrain-multinode-{os.getpid()}"
-        commands.append(torchrun(host, a, nnodes=2, nproc_per_node=2, rdzv_id=rdzv_id, args=job))
+        commands.append(
+            torchrun(
+                host, a, nnodes=2, nproc_per_node=2, rdzv_id=rdzv_id, args=job, launcher=launcher
+            )
+        )
         envs.append(host.env())
     ref_out = tmp_path / "one_node.pt"
     # The single-host reference runs alongside: the launchers mostly wait on start-up and

@@ -1,4 +1,5 @@
-"""The MNIST recipe runs end to end under torchrun and as a plain script (on small IDX data)."""
+"""The MNIST recipe runs end to end under ddptrain-run (torchrun's engine, as the README runs
+it), torchrun itself, and as a plain script (on small IDX data)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from support.idx_files import (
     serve_folder,
     write_split,
 )
+from support.launch_cmds import LAUNCHERS
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "mnist.py"
 REAL_RAW = MNIST_ROOT / "MNIST/raw"
@@ -42,26 +44,20 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     )
 
 
-def _torchrun(nproc: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-    ]
+def _launch(nproc: int, launcher: str = "ddptrain-run") -> list[str]:
+    return [*LAUNCHERS[launcher], "--standalone", f"--nproc_per_node={nproc}"]
 
 
 @pytest.mark.skipif(not REAL_RAW.is_dir(), reason=f"shared MNIST not found at {REAL_RAW}")
-def test_dry_run_under_torchrun_downloads_the_test_split_then_trains_and_checkpoints(tmp_path):
-    """torchrun --nproc_per_node=2 fetches the missing (real) test split from a 127.0.0.1 mirror,
-    trains 5 steps, evaluates on it and saves."""
+def test_dry_run_at_world_size_2_downloads_the_test_split_then_trains_and_checkpoints(tmp_path):
+    """ddptrain-run --nproc_per_node=2 fetches the missing (real) test split from a 127.0.0.1
+    mirror, trains 5 steps, evaluates on it and saves."""
     data_dir = tmp_path / "data"
     write_split(data_dir / "MNIST" / "raw", "train", 640, seed=1)
     ckpt_dir = tmp_path / "ckpt"
     with serve_folder(REAL_RAW) as mirror:
         result = _run(
-            _torchrun(2)
+            _launch(2)
             + [
                 str(RECIPE),
                 "--data-dir",
@@ -117,22 +113,32 @@ def test_plain_python_run_and_target_acc_exit_code(tmp_path, data_dir):
     assert "below --target-acc 1.01" in result.stdout
 
 
-def test_offline_without_data_is_one_error_line_from_two_ranks(tmp_path):
+@pytest.mark.parametrize(
+    "launcher", ["ddptrain-run", pytest.param("torchrun", marks=pytest.mark.slow)]
+)
+def test_offline_without_data_is_one_error_line_from_two_ranks(tmp_path, launcher):
     """No data and no reachable mirror at world size 2: one `error:` line naming the folder and
-    the Fashion-MNIST alternative, no rank traceback, no file left in the data folder."""
+    the Fashion-MNIST alternative (under the launcher it ran under), no rank traceback, no file
+    left in the data folder. ddptrain-run prints it last and exits 1; torchrun follows it with
+    its own report."""
     data_dir = tmp_path / "none"
     result = _run(
-        _torchrun(2)
+        _launch(2, launcher)
         + [str(RECIPE), "--data-dir", str(data_dir), "--mirror", closed_port_url(), "--dry-run"],
         tmp_path,
     )
-    assert result.returncode != 0
+    assert result.returncode == 1
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: could not download train-images-idx3-ubyte.gz")
     assert f"in {data_dir / 'MNIST/raw'}/" in lines[0] and "--dataset fashion-mnist" in lines[0]
+    assert f"{launcher} --standalone --nproc_per_node=2 " in lines[0]
     assert "[rank0]" not in result.stderr and "[rank1]" not in result.stderr, result.stderr
     assert list((data_dir / "MNIST/raw").iterdir()) == []
+    if launcher == "ddptrain-run":
+        assert result.stderr.splitlines() == lines
+    else:
+        assert "ChildFailedError" in result.stderr
 
 
 def test_a_bad_flag_is_one_line_and_exit_status_2(tmp_path):
@@ -236,7 +242,7 @@ def test_preemption_flags_reach_the_config():
     )
 
 
-def test_resume_auto_under_torchrun_sets_a_truncated_checkpoint_aside(tmp_path, data_dir):
+def test_resume_auto_at_world_size_2_sets_a_truncated_checkpoint_aside(tmp_path, data_dir):
     """Checkpoints every 2 steps; the newest cut short; --resume auto at world size 2 says once
     which file and why, moves it intact into invalid/, resumes from step 2 and saves on."""
     ckpt_dir = tmp_path / "ckpt"
@@ -259,7 +265,7 @@ def test_resume_auto_under_torchrun_sets_a_truncated_checkpoint_aside(tmp_path, 
     newest = ckpt_dir / "ckpt-00000004.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
 
-    result = _run([*_torchrun(2), *flags, "--max-steps", "6", "--resume", "auto"], tmp_path)
+    result = _run([*_launch(2), *flags, "--max-steps", "6", "--resume", "auto"], tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     notes = [line for line in result.stdout.splitlines() if line.startswith("resume='auto'")]
     assert len(notes) == 1, result.stdout

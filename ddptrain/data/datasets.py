@@ -160,7 +160,7 @@ class DataDirSurvey:
         if not root.exists():
             return f"{root} does not exist"
         if not root.is_dir():
-            return f"{root} is not a folder"
+            return f"{root} is a file, not a folder"
         held = list(self.present)
         if self.splits:
             held.insert(0, f"{self.dataset}'s {_splits(self.splits)}")

@@ -17,6 +17,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from ddptrain.paths import mkdir_problem
+
 _DOWNLOAD_TIMEOUT_S = 30.0
 
 
@@ -30,8 +32,8 @@ def download_files(md5: dict[str, str], mirrors: Sequence[str], dest: Path) -> N
         dest.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DownloadError(
-            f"cannot create {dest} to download into: {e.strerror or e}; choose a data folder "
-            "you can write to"
+            f"cannot create {dest} to download into: {mkdir_problem(dest, e)}; choose a data "
+            "folder you can write to"
         ) from None
     for name, expected in md5.items():
         if (dest / name).is_file() and _md5(dest / name) == expected:

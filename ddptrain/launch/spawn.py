@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddptrain.dist import INIT_METHOD_ENV
+from ddptrain.launch.report import REPORT_DIR_ENV
 
 _POLL_S = 0.05
 # Imported once by the forkserver, not by every worker: torch (~2 s here) and torch._dynamo,
@@ -82,8 +83,10 @@ def spawn(
                 INIT_METHOD_ENV: init_method,
                 **(env or {}),
             }
-            # A forkserver child inherits the server's environment, not this process's now.
-            worker_env = {**os.environ, **worker_env}
+            # A forkserver child inherits the server's environment, not this process's now. Not
+            # a ddptrain-run report folder this process may have: these ranks are not its workers.
+            inherited = {k: v for k, v in os.environ.items() if k != REPORT_DIR_ENV}
+            worker_env = {**inherited, **worker_env}
             # Not daemonic: a daemonic process may not start children, so a rank could not use
             # DataLoader(num_workers > 0). The finally below kills every worker still alive.
             p = ctx.Process(

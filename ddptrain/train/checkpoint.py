@@ -152,10 +152,15 @@ def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[
             f"{path} is a directory, not a checkpoint; pick one with latest_checkpoint(dir), "
             + auto
         )
-    if not path.is_file():
-        raise CheckpointError(
-            f"{path} does not exist or is not a file; pick one with latest_checkpoint(dir), " + auto
-        )
+    what = None
+    if not path.exists():
+        what = "does not exist"
+    elif not path.is_file():
+        what = "is not a regular file"
+    elif path.stat().st_size == 0:
+        what = "is an empty file, not a checkpoint"
+    if what:
+        raise CheckpointError(f"{path} {what}; pick one with latest_checkpoint(dir), " + auto)
     if path.suffix == ".json" and path.with_suffix(".pt").is_file():
         raise CheckpointError(
             f"{path} is the JSON sidecar of a checkpoint; resume from {path.with_suffix('.pt')}"

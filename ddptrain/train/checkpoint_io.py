@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from ddptrain.paths import make_dir
+
 BEST_POINTER = "best.json"
 # Where set_aside_checkpoint moves invalid checkpoints: a subfolder, so listing and pruning
 # (which read only the directory's own entries) never see them again.
@@ -204,14 +206,9 @@ def best_checkpoint(directory: str | os.PathLike) -> Path | None:
 
 def check_writable(directory: str | os.PathLike, *, required_bytes: int = 0) -> Path:
     """Create `directory`, prove a file can be written and fsynced there, and check free space."""
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(
-            f"cannot create checkpoint directory {directory}: {e.strerror or e}; choose a "
-            "directory you can write to"
-        ) from None
+    directory = make_dir(
+        directory, "checkpoint_dir", CheckpointError, "choose a directory you can write to"
+    )
     probe = directory / f".ddptrain-write-probe-{secrets.token_hex(8)}"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
@@ -225,7 +222,7 @@ def check_writable(directory: str | os.PathLike, *, required_bytes: int = 0) -> 
         with contextlib.suppress(OSError):
             os.unlink(probe)
         raise CheckpointError(
-            f"checkpoint directory {directory} is not writable ({e.strerror or e}); fix its "
+            f"checkpoint_dir {directory} is not writable ({e.strerror or e}); fix its "
             "permissions or choose another directory"
         ) from None
     free = shutil.disk_usage(directory).free

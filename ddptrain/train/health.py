@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddptrain.dist import print0
+from ddptrain.launch import report
 from ddptrain.train.checkpoint import latest_checkpoint
 
 LOST_RANK_EXIT_CODE = 75
@@ -215,6 +216,7 @@ class Heartbeat:
                     file=sys.stderr,
                     flush=True,
                 )
+                report.worker_exit(LOST_RANK_EXIT_CODE)
                 os._exit(LOST_RANK_EXIT_CODE)
 
     def _store_listens(self) -> bool:
@@ -242,6 +244,7 @@ class Heartbeat:
             file=sys.stderr,
             flush=True,
         )
+        report.worker_exit(LOST_RANK_EXIT_CODE)
         os._exit(LOST_RANK_EXIT_CODE)
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ddptrain.dist import print0
+from ddptrain.paths import make_dir
 from ddptrain.train.timing import StepTimes, split_record
 
 LOGGERS = ("jsonl", "tensorboard")
@@ -47,14 +48,8 @@ class MetricsLog:
     """Append-only JSON lines, one record per line, flushed at once so other tools can tail it."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
-        self.path = Path(directory) / "metrics.jsonl"
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise LogDirError(
-                f"cannot create log directory {directory}: {e.strerror or e}; choose a "
-                "log_dir you can write to"
-            ) from None
+        folder = make_dir(directory, "log_dir", LogDirError, "choose a log_dir you can write to")
+        self.path = folder / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if not _ends_a_line(self.path):
             # A run killed mid-write left half a record: end it, or ours would be glued onto it
@@ -145,17 +140,23 @@ def tensorboard_installed() -> bool:
 
 
 class ProgressBar:
-    """A tqdm bar over optimizer steps: loss, samples/s, exposed comm share; off when disabled."""
+    """A tqdm bar over optimizer steps: the epoch (of `epochs`), loss, samples/s, exposed comm
+    share; off when disabled."""
 
-    def __init__(self, total: int, initial: int, enabled: bool) -> None:
+    def __init__(self, total: int, initial: int, enabled: bool, epochs: int | None = None) -> None:
+        self._epochs = epochs
         self._bar = (
             tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True) if enabled else None
         )
 
     def update(self, step: int, record: dict[str, Any]) -> None:
-        """Move to `step` and show the latest loss, throughput and exposed-communication share."""
+        """Move to `step` and show its epoch, the latest loss, throughput and exposed-communication
+        share."""
         if self._bar is None:
             return
+        if "epoch" in record:
+            of = f"/{self._epochs}" if self._epochs else ""
+            self._bar.set_description(f"epoch {record['epoch']}{of}", refresh=False)
         self._bar.update(step - self._bar.n)
         shown = {"loss": f"{record['loss']:.4f}", "samples_s": f"{record['samples_per_s']:.0f}"}
         if "comm_share" in record:
@@ -256,8 +257,9 @@ def describe_run(
     resumed_at: int | None,
     epoch_steps: int | None = None,
 ) -> str:
-    """The one-line summary of a run that fit() prints before its first step; `epoch_steps`:
-    the optimizer steps its epochs make (build.epoch_steps), to tell when max_steps cuts in."""
+    """What fit() prints before its first step, in short lines: who runs (launcher, world size,
+    backend, device, precision), the batch split, the steps, the buckets. `epoch_steps`: the
+    optimizer steps its epochs make (build.epoch_steps), to tell when max_steps cuts in."""
     buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
     per_rank = cfg.micro_global_batch_size // info.world_size
     # No sampler: each rank reads its own part of an IterableDataset (train/epochs.py).
@@ -268,15 +270,16 @@ def describe_run(
     if epoch_steps is not None and total_steps < epoch_steps:
         # A --dry-run or --max-steps run stops early: say so rather than promise every epoch.
         epochs = f"max_steps={cfg.max_steps} ends it within {epochs}"
-    return (
-        f"ddptrain: launcher={info.launcher} world_size={info.world_size} "
-        f"backend={info.backend} "
-        f"device={info.device} | global_batch_size={cfg.global_batch_size} = "
-        f"{info.world_size} ranks x {per_rank} per rank x "
-        f"{cfg.grad_accum_steps} accumulation step(s) | {total_steps} optimizer steps "
-        f"({epochs} of {epoch}"
-        f"{'' if resumed_at is None else f', resumed at step {resumed_at}'}) | "
-        f"precision={cfg.precision} | buckets (MiB, launch order)=[{buckets}]"
+    resumed = "" if resumed_at is None else f", resumed at step {resumed_at}"
+    return "\n".join(
+        [
+            f"ddptrain: launcher={info.launcher} world_size={info.world_size} "
+            f"backend={info.backend} device={info.device} precision={cfg.precision}",
+            f"  global_batch_size={cfg.global_batch_size} = {info.world_size} ranks x "
+            f"{per_rank} per rank x {cfg.grad_accum_steps} accumulation step(s)",
+            f"  {total_steps} optimizer steps ({epochs} of {epoch}{resumed})",
+            f"  buckets (MiB, launch order): [{buckets}]",
+        ]
     )
 
 

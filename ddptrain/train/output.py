@@ -5,6 +5,9 @@ on rank 0, the loss window every rank keeps, and the traces of profile_steps.
     out.window.add(loss, samples)                   # every step, every rank
     out.log_step(step, epoch, lr, total_steps)      # collective when due: one all_reduce
     out.log_eval(step, epoch, metrics)              # a line above the bar, a record
+
+`epoch` is the epoch the step belongs to, counted from 1: `step 470 epoch 2/6` is the last step
+of the second of six epochs, in the lines, the bar, metrics.jsonl and the checkpoints alike.
     out.progress.summary(...)                       # what fit() returns
     out.close()
 """
@@ -42,7 +45,7 @@ class RunOutput:
         if self._log:
             self._log.write(start_record(cfg, info, step))
         enabled = info.is_main and want_progress_bar(cfg.progress_bar)
-        self.bar = ProgressBar(total_steps, step, enabled=enabled)
+        self.bar = ProgressBar(total_steps, step, enabled=enabled, epochs=cfg.epochs)
         trace_dir = cfg.log_dir or cfg.checkpoint_dir
         self.tracer = profiling.StepTracer(cfg.profile_steps, trace_dir, info.rank)
         if step < total_steps and profiling.range_missed(cfg.profile_steps, step + 1, total_steps):
@@ -78,7 +81,7 @@ class RunOutput:
         """An evaluation's metrics: one line above the bar, one record in the logs."""
         if not metrics:
             return
-        self.bar.print(f"step {step} epoch {epoch}: {format_metrics(metrics)}")
+        self.bar.print(f"step {step} epoch {epoch}/{self.cfg.epochs}: {format_metrics(metrics)}")
         if self._log:
             time_s = time.perf_counter() - self.progress.start
             self._log.write({"step": step, "epoch": epoch, **metrics, "time_s": time_s})

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ddptrain.dist import DistInfo, print0
+from ddptrain.launch import report
 from ddptrain.train.health import LOST_RANK_EXIT_CODE
 
 # Saved and stopped on a signal: run the same command again to resume. Distinct from the
@@ -226,4 +227,6 @@ class Boundary:
         )
         message = agreed.message(step, saved)
         print0(message, file=sys.stderr)
+        # Every rank: ddptrain-run exits with this code, and adds nothing to rank 0's line.
+        report.worker_exit(agreed.exit_code)
         return Preempted(agreed.exit_code, step, message)

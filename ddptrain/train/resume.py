@@ -89,7 +89,8 @@ def apply_resume_state(
     sampler: ShardedSampler | None,
     model: nn.Module | None = None,
 ) -> tuple[int, int]:
-    """Load the optimizer, schedule, scaler, sampler and RNG states; return (step, epoch).
+    """Load the optimizer, schedule, scaler, sampler and RNG states; return (step, index from 0
+    of the epoch the loop continues in).
     `model`: the wrapper, whose optimizer state a fully sharded one loads piece by piece."""
     # Popped: the whole optimizer state would otherwise stay alive on every rank all run long,
     # undoing what a sharded (ZeRO) optimizer saves.
@@ -103,7 +104,11 @@ def apply_resume_state(
         scaler.load_state_dict(state["scaler"])
     if sampler is not None:  # None: per-rank parts of an IterableDataset (train/epochs.py)
         sampler.load_state_dict(state["sampler"])
-    step, epoch = int(state["step"]), int(state["epoch"])
+    # The checkpoint's epoch is its step's, from 1. Even epochs continue where the sampler
+    # stopped, inside or at the end of its epoch; uneven ones from the start of the next, whose
+    # index (from 0) is the number of the one the checkpoint completed.
+    step = int(state["step"])
+    epoch = sampler.epoch if sampler is not None else int(state["epoch"])
     rng = state.get("rng") or []
     if len(rng) == info.world_size:
         ckpt.restore_rng_state(rng[info.rank])

@@ -59,7 +59,10 @@ class Trainer:
         self.config = config
         self.info: DistInfo | None = None
         self.step = 0
+        # The epoch the latest step belongs to, from 1 (as logs, the bar and checkpoints show
+        # it); the loop counts epochs from 0 in _epoch_index.
         self.epoch = 0
+        self._epoch_index = 0
 
     # ----------------------------------------------------------------------- user hooks
     def build_model(self) -> nn.Module:
@@ -137,7 +140,7 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1 + info.rank)
         # 6. Resume the optimizer, sampler and RNG states.
         if resume_state is not None:
-            self.step, self.epoch = resume.apply_resume_state(
+            self.step, self._epoch_index = resume.apply_resume_state(
                 resume_state,
                 cfg,
                 info,
@@ -148,6 +151,10 @@ class Trainer:
                 model=self.model,
             )
         resumed = resume_state is not None
+        # Even epochs resume inside (or at the end of) the sampler's epoch; uneven ones at the
+        # start of the epoch after the one their checkpoint completed.
+        lockstep = self.epochs.lockstep
+        self.epoch = self._epoch_index + 1 if lockstep else max(self._epoch_index, 1)
         self._announce(resumed)
         # 7. Loop, then 8. a final evaluation and save.
         self._open_logs(resumed)
@@ -171,8 +178,9 @@ class Trainer:
     def _train(self, eval_set: Dataset | None) -> None:
         """Epoch after epoch, step after step. Ranks in lockstep (even epochs) meet after any
         step for periodic work; ranks of uneven epochs meet again when the epoch ends."""
-        while self.step < self.total_steps and self.epoch < self.config.epochs:
-            epoch = self.epochs.start(self.epoch, self.total_steps - self.step)
+        while self.step < self.total_steps and self._epoch_index < self.config.epochs:
+            epoch = self.epochs.start(self._epoch_index, self.total_steps - self.step)
+            self.epoch = self._epoch_index + 1
             with epoch.running(self.model):
                 for batches in epoch:
                     if not self._step(batches, epoch, eval_set):
@@ -182,7 +190,7 @@ class Trainer:
                 self._after_step(epoch_done=True, eval_set=eval_set)
             if not epoch.complete:
                 return  # max_steps ended the run inside this epoch
-            self.epoch += 1
+            self._epoch_index += 1
 
     def _step(self, batches: list[Any], epoch: Any, eval_set: Dataset | None) -> bool:
         """One optimizer step on this rank's micro-batches, then the periodic work that falls
@@ -310,9 +318,7 @@ class Trainer:
             return
         if now or self._due(cfg.checkpoint_every_steps, epoch_done):
             with progress.window.paused():
-                # An uneven epoch resumes from its start: one saved at its end resumes at the
-                # next (an even one's sampler knows by itself that it is used up).
-                self._save(next_epoch=epoch_done and not self.epochs.lockstep)
+                self._save()
 
     def _due(self, every_steps: int | None, epoch_done: bool) -> bool:
         """Periodic work runs every `every_steps` optimizer steps, else at each epoch's end;
@@ -353,7 +359,7 @@ class Trainer:
         return metrics
 
     # ----------------------------------------------------------------------- output
-    def _save(self, next_epoch: bool = False) -> None:
+    def _save(self) -> None:
         started = time.monotonic()
         path = resume.save_training_state(
             self.config,
@@ -364,7 +370,7 @@ class Trainer:
             self.scaler,
             self.sampler,
             step=self.step,
-            epoch=self.epoch + 1 if next_epoch else self.epoch,
+            epoch=self.epoch,
             metrics=self._out.progress.metrics,
         )
         self._out.progress.saved_at = self.step

@@ -330,7 +330,7 @@ _TRAIN_FILES = "train-images-idx3-ubyte.gz and train-labels-idx1-ubyte.gz are mi
     "case, said",
     [
         ("missing", "does not exist"),
-        ("file", "is not a folder"),
+        ("file", "is a file, not a folder"),
         ("empty", "is empty"),
         ("other files", "holds none of MNIST's IDX files (only notes.txt, sub/)"),
         ("fashion", "holds Fashion-MNIST's train and test splits, not MNIST's"),

@@ -1,6 +1,7 @@
 """Curves: metrics.jsonl records to series, legends, and the CLI's refusals."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -99,6 +100,24 @@ def test_cli_draws_overlaid_runs(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     runs = [*curves.load_runs(a), *curves.load_runs(b)]
     assert curves.panel_names(runs) == ["loss", "lr", "samples_per_s", "comm_share"]
+
+
+def test_without_o_the_curves_go_beside_the_runs(tmp_path, monkeypatch, capsys):
+    """No -o: one run's curves.png lands in its own folder, several runs' in their common
+    folder, never in the current directory; the path written is printed."""
+    pytest.importorskip("matplotlib")
+    a = _write_run(tmp_path / "runs" / "a", [START, _train(10, 2.0, 1.0), _train(20, 1.0, 2.0)])
+    b = _write_run(tmp_path / "runs" / "b", [_train(10, 2.5, 1.5), _train(20, 1.5, 3.0)])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main([str(a)]) == 0
+    assert (a / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert main([str(a), str(b)]) == 0
+    assert (tmp_path / "runs" / "curves.png").is_file()
+    assert list(elsewhere.iterdir()) == []
+    printed = [Path(line).resolve() for line in capsys.readouterr().out.splitlines()]
+    assert printed == [a / "curves.png", tmp_path / "runs" / "curves.png"]
 
 
 def test_a_log_dir_reused_without_resuming_draws_each_run_apart(tmp_path):

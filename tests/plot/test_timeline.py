@@ -71,7 +71,8 @@ def test_backend_all_reduce_spans_run_from_launch_to_wait_end():
 
 
 def test_cli_draws_a_timeline_and_refuses_traces_without_marks(tmp_path):
-    """Two rank traces give a PNG; a trace with no ddptrain marks exits 2."""
+    """Two rank traces give a PNG (beside them without -o); a trace with no ddptrain marks
+    exits 2."""
     pytest.importorskip("matplotlib")
     paths = []
     for rank in (0, 1):
@@ -80,6 +81,9 @@ def test_cli_draws_a_timeline_and_refuses_traces_without_marks(tmp_path):
         paths.append(str(path))
     out = tmp_path / "timeline.png"
     assert main(["--timeline", *paths, "-o", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    out.unlink()
+    assert main(["--timeline", *paths]) == 0  # no -o: beside the traces
     assert out.read_bytes()[:4] == b"\x89PNG"
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps(_trace(0, [])))

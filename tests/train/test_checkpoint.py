@@ -204,12 +204,20 @@ def test_truncated_file_with_sidecar_fails_the_size_check(tmp_path):
         load_checkpoint(path)
 
 
-@pytest.mark.parametrize("content", [b"", b"hello, not a checkpoint\n", b"PK\x03\x04garbage"])
-def test_non_torch_file_is_a_clear_error(tmp_path, content):
-    """Empty, text and fake-zip files raise CheckpointError, not a torch internals traceback."""
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (b"", "is an empty file, not a checkpoint"),
+        (b"hello, not a checkpoint\n", "not a readable torch checkpoint"),
+        (b"PK\x03\x04garbage", "not a readable torch checkpoint"),
+    ],
+)
+def test_non_torch_file_is_a_clear_error(tmp_path, content, said):
+    """Empty, text and fake-zip files raise CheckpointError saying what they are, not a torch
+    internals traceback."""
     path = tmp_path / "ckpt-00000001.pt"
     path.write_bytes(content)
-    with pytest.raises(CheckpointError, match="not a readable torch checkpoint"):
+    with pytest.raises(CheckpointError, match=said):
         load_checkpoint(path)
 
 

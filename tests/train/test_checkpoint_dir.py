@@ -114,7 +114,10 @@ def test_check_writable_creates_the_directory(tmp_path):
 def test_check_writable_under_a_regular_file_is_a_clear_error(tmp_path):
     """A directory that cannot be created (parent is a file) is named with the fix."""
     (tmp_path / "some_file").write_text("x")
-    with pytest.raises(CheckpointError, match="cannot create checkpoint directory .*some_file"):
+    with pytest.raises(
+        CheckpointError,
+        match="cannot create checkpoint_dir .*some_file/ckpts: .*some_file is a file",
+    ):
         check_writable(tmp_path / "some_file" / "ckpts")
 
 

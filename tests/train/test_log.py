@@ -135,12 +135,33 @@ def test_run_banner_says_when_max_steps_ends_the_run_early():
     assert "6 optimizer steps (2 epoch(s) of 5 micro-batches)" in accumulated
 
 
+def test_the_run_banner_is_short_lines():
+    """The banner is a few lines a narrow terminal shows whole: the first names launcher, world
+    size, backend, device and precision; none runs past 80 characters."""
+    lines = _banner(epochs=6, max_steps=None, total_steps=6 * 235).splitlines()
+    assert (
+        lines[0] == "ddptrain: launcher=spawn world_size=2 backend=gloo device=cpu precision=fp32"
+    )
+    assert lines[1] == "  global_batch_size=256 = 2 ranks x 128 per rank x 1 accumulation step(s)"
+    assert lines[3] == "  buckets (MiB, launch order): [1.00]"
+    assert max(len(line) for line in lines) <= 80, lines
+
+
 def test_lines_printed_during_a_progress_bar_go_above_it(capsys):
     """ProgressBar.print: with the bar on, a whole line on stdout (tqdm clears and redraws the
     bar on stderr around it); with it off, the same line."""
     for enabled in (True, False):
         bar = logs.ProgressBar(total=10, initial=0, enabled=enabled)
         bar.update(3, {"loss": 0.5, "samples_per_s": 100.0})
-        bar.print("step 3 epoch 0: eval_accuracy=0.9000")
+        bar.print("step 3 epoch 1/2: eval_accuracy=0.9000")
         bar.close()
-        assert capsys.readouterr().out == "step 3 epoch 0: eval_accuracy=0.9000\n"
+        assert capsys.readouterr().out == "step 3 epoch 1/2: eval_accuracy=0.9000\n"
+
+
+def test_the_progress_bar_shows_the_steps_epoch_of_the_runs(capsys):
+    """The bar names the epoch its step belongs to, counted from 1, of the run's epochs."""
+    bar = logs.ProgressBar(total=10, initial=0, enabled=True, epochs=2)
+    bar.update(6, {"epoch": 2, "loss": 0.5, "samples_per_s": 100.0})
+    bar.close()
+    drawn = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert any(line.startswith("epoch 2/2:  60%") for line in drawn), drawn

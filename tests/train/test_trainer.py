@@ -265,7 +265,7 @@ def test_unwritable_checkpoint_dir_fails_before_any_training_step(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     cfg = _config(tmp_path, checkpoint_dir=str(blocker / "ckpt"))
-    with pytest.raises(ddptrain.WorkerError, match="cannot create checkpoint directory"):
+    with pytest.raises(ddptrain.WorkerError, match="cannot create checkpoint_dir"):
         ddptrain.spawn(_run_fit, 2, cfg, timeout_s=120)
     assert not (tmp_path / "logs" / "metrics.jsonl").exists()
 

@@ -6,7 +6,9 @@ One spawned world of 3 ranks runs every case (worlds.run_cases), each in its own
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -261,12 +263,23 @@ class _Recording(ToyTrainer):
 
 
 def _case_metrics(info, root: str) -> dict:
-    trainer = _Recording(_config(root, "metrics", log_every_steps=3))
-    summary = trainer.fit()
+    ckpt_dir = f"{root}/metrics/ckpt"
+    trainer = _Recording(_config(root, "metrics", log_every_steps=3, checkpoint_dir=ckpt_dir))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = trainer.fit()
     losses = [None] * info.world_size
     dist.all_gather_object(losses, trainer.losses)
-    records = _records(root, "metrics") if info.is_main else None
-    return {"losses": losses, "records": records, "summary": summary}
+    if not info.is_main:
+        return {"losses": losses, "summary": summary}
+    sidecars = [json.loads(p.read_text()) for p in sorted(Path(ckpt_dir).glob("ckpt-*.json"))]
+    return {
+        "losses": losses,
+        "records": _records(root, "metrics"),
+        "summary": summary,
+        "printed": printed.getvalue().splitlines(),
+        "sidecars": [(s["step"], s["epoch"]) for s in sidecars],
+    }
 
 
 def test_metrics_jsonl_holds_window_mean_losses_lr_and_the_eval(world):
@@ -281,7 +294,7 @@ def test_metrics_jsonl_holds_window_mean_losses_lr_and_the_eval(world):
         # fit() sums the window in float32 before the float64 mean: a few float32 ulps.
         assert rec["loss"] == pytest.approx(expected, rel=1e-6), rec
         assert rec["lr"] == pytest.approx(0.1 * 0.7 ** (rec["step"] // 4), rel=1e-12)
-        assert rec["epoch"] == (rec["step"] - 1) // (N_TRAIN // 12)
+        assert rec["epoch"] == (rec["step"] - 1) // (N_TRAIN // 12) + 1
         assert rec["samples_per_s"] > 0
         start = rec["step"]
     times = [rec["time_s"] for rec in train]
@@ -290,6 +303,23 @@ def test_metrics_jsonl_holds_window_mean_losses_lr_and_the_eval(world):
     assert [rec["step"] for rec in evals] == [STEPS // 2, STEPS]  # at each epoch's end
     assert {k: evals[-1][k] for k in r["summary"]["eval"]} == r["summary"]["eval"]
     assert r["summary"]["train_loss"] == train[-1]["loss"]
+
+
+def test_one_epoch_numbering_in_records_lines_checkpoints_and_summary(world):
+    """Every place numbers a step's epoch from 1: the last step of the first epoch is epoch 1
+    in metrics.jsonl, the eval line (`epoch 1/2`) and its checkpoint's sidecar; the run's last
+    step is epoch 2 everywhere, the summary included."""
+    r = worlds.outcome(world[1], "metrics")[0]
+    half = STEPS // 2
+    evals = [(rec["step"], rec["epoch"]) for rec in r["records"] if "eval_loss" in rec]
+    assert evals == [(half, 1), (STEPS, 2)]
+    assert r["sidecars"] == [(half, 1), (STEPS, 2)]
+    lines = [line for line in r["printed"] if line.startswith("step ")]
+    assert [line.split(":")[0] for line in lines] == [
+        f"step {half} epoch 1/2",
+        f"step {STEPS} epoch 2/2",
+    ]
+    assert r["summary"]["epoch"] == 2
 
 
 def _validation_step(module, batch):
