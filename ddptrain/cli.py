@@ -39,7 +39,7 @@ from ddptrain.launch import report
 from ddptrain.train.checkpoint import CheckpointError
 from ddptrain.train.config import ConfigError
 from ddptrain.train.health import PeerFailedError
-from ddptrain.train.log import LogDirError
+from ddptrain.train.metrics import LogDirError
 
 DEBUG_ENV = "DDPTRAIN_DEBUG"
 USAGE_EXIT_CODE = 2

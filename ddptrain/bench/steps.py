@@ -66,16 +66,14 @@ EXTRAS = {
     "tcp": "tcp",
 }
 # Opt-in optimizer variants (ddptrain's wrapper, default hook): name -> (optimizer class, sharded
-# by ZeRO stage 1). Every other variant steps plain SGD, so compare zero with adamw and zero-sgd
-# with ddptrain.
+# by ZeRO-1). The others step plain SGD: compare zero with adamw, zero-sgd with ddptrain.
 OPTIMIZER_EXTRAS = {
     "adamw": (torch.optim.AdamW, False),
     "zero": (torch.optim.AdamW, True),
     "zero-sgd": (torch.optim.SGD, True),
 }
-# Opt-in sharded variants, named as they are: ddptrain's fully sharded wrapper as ZeRO-2 and
-# ZeRO-3, and torch's fully_shard (FSDP2, ZeRO-3) on the same units (the wrapper's size policy),
-# all stepping plain SGD on their shards like the base variants.
+# Opt-in sharded variants: ddptrain's fully sharded wrapper as ZeRO-2 and ZeRO-3, and torch's
+# fully_shard (FSDP2) on the same units, all stepping plain SGD on their shards.
 SHARDED_EXTRAS = ("zero2", "zero3", "torch_fsdp")
 # Opt-in (--ladder) rungs of docs/walkthrough.md, between "naive" and "ddptrain_gloo": each adds
 # one idea to the one before, all over the backend's all_reduce.

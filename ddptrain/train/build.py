@@ -148,17 +148,6 @@ def optimizer(cfg: TrainerConfig, value: Any) -> tuple[torch.optim.Optimizer, An
     return opt, scheduler
 
 
-def grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
-    """The whole gradient's norm, after clipping it to max_norm when given (collective under
-    zero_stage 2 and 3, where each rank holds a shard of the gradient)."""
-    if isinstance(model, FullyShardedDataParallel):
-        return model.grad_norm() if max_norm is None else model.clip_grad_norm_(max_norm)
-    params = [p for p in model.module.parameters() if p.grad is not None]
-    if max_norm is not None:
-        return nn.utils.clip_grad_norm_(params, max_norm)
-    return nn.utils.get_total_norm([p.grad for p in params])
-
-
 def whole_parameters(model: nn.Module) -> contextlib.AbstractContextManager:
     """Where model.module holds whole parameters, for evaluating it alone on each rank:
     gathered for the duration under zero_stage 2 and 3 (collective), else as it is."""

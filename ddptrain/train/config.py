@@ -18,7 +18,7 @@ from ddptrain.comm import NAMES
 from ddptrain.compress.powersgd import NAMED_RANK, NAMED_START_STEP
 from ddptrain.flags import NON_NEGATIVE, POSITIVE, Check, check_fields, setting
 from ddptrain.train.health import LOST_RANK_EXIT_CODE
-from ddptrain.train.log import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
+from ddptrain.train.metrics import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
 from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, PREEMPTED_EXIT_CODE, signal_number
 
 # Settings that define the sample order and step size: a resumed run must keep them.

@@ -1,9 +1,7 @@
 """Failure detection: peer heartbeats, replica checksums, and non-finite gradients.
 
-    watchdog = Heartbeat(timeout_s=30).start()     # every rank, after init_distributed()
-    ...                                            # a rank that dies or freezes is noticed
-    Heartbeat(agent_pid=info.agent_pid, on_launcher_lost=stop.launcher_lost)
-                                                   # ... and a launcher (or its store) gone
+    watchdog = Heartbeat(timeout_s=30).start()     # every rank: a dead or frozen peer noticed
+    Heartbeat(agent_pid=info.agent_pid, on_launcher_lost=stop.launcher_lost)   # and a launcher
     check_replicas(model.module)                   # every rank: identical parameters or raise
     if not torch.isfinite(grad_norm):              # every rank: raise, or warn and skip
         on_nonfinite_gradients(local_loss, step=step + 1, policy="stop", checkpoint_dir=None)

@@ -1,34 +1,29 @@
-"""What a run shows and writes: the start line, the progress bar and metrics.jsonl/TensorBoard
-on rank 0, the loss window every rank keeps, and the traces of profile_steps.
+"""What a run shows: the start lines, log lines above a progress bar on rank 0, the records
+it writes (train/metrics.py), and the traces of profile_steps.
 
     out = RunOutput(cfg, info, total_steps, step=0, resumed=False)
     out.window.add(loss, samples)                   # every step, every rank
     out.log_step(step, epoch, lr, total_steps)      # collective when due: one all_reduce
     out.log_eval(step, epoch, metrics)              # a line above the bar, a record
+    out.progress.summary(...)                       # what fit() returns
+    out.close()
 
 `epoch` is the epoch the step belongs to, counted from 1: `step 470 epoch 2/6` is the last step
 of the second of six epochs, in the lines, the bar, metrics.jsonl and the checkpoints alike.
-    out.progress.summary(...)                       # what fit() returns
-    out.close()
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
+
+from tqdm import tqdm
 
 from ddptrain import profiling
 from ddptrain.dist import DistInfo, print0
 from ddptrain.train.config import TrainerConfig
-from ddptrain.train.log import (
-    LossWindow,
-    Progress,
-    ProgressBar,
-    format_metrics,
-    open_logs,
-    start_record,
-    want_progress_bar,
-)
+from ddptrain.train.metrics import LossWindow, Progress, open_logs
 
 
 class RunOutput:
@@ -92,3 +87,102 @@ class RunOutput:
         self.bar.close()
         if self._log:
             self._log.close()
+
+
+class ProgressBar:
+    """A tqdm bar over optimizer steps: the epoch (of `epochs`), loss, samples/s, exposed comm
+    share; off when disabled."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, epochs: int | None = None) -> None:
+        self._epochs = epochs
+        self._bar = (
+            tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True) if enabled else None
+        )
+
+    def update(self, step: int, record: dict[str, Any]) -> None:
+        """Move to `step` and show its epoch, the latest loss, throughput and exposed-communication
+        share."""
+        if self._bar is None:
+            return
+        if "epoch" in record:
+            of = f"/{self._epochs}" if self._epochs else ""
+            self._bar.set_description(f"epoch {record['epoch']}{of}", refresh=False)
+        self._bar.update(step - self._bar.n)
+        shown = {"loss": f"{record['loss']:.4f}", "samples_s": f"{record['samples_per_s']:.0f}"}
+        if "comm_share" in record:
+            shown["comm"] = f"{record['comm_share']:.0%}"
+        self._bar.set_postfix(shown)
+
+    def print(self, text: str) -> None:
+        """Print a line on rank 0 above the bar, which stays whole below it."""
+        if self._bar is None:
+            print0(text)
+        else:
+            self._bar.write(text)
+
+    def close(self) -> None:
+        """Close the bar."""
+        if self._bar is not None:
+            self._bar.close()
+
+
+def describe_run(
+    cfg: Any,
+    info: Any,
+    sampler: Any,
+    model: Any,
+    total_steps: int,
+    resumed_at: int | None,
+    epoch_steps: int | None = None,
+) -> str:
+    """What fit() prints before its first step, in short lines: who runs (launcher, world size,
+    backend, device, precision), the batch split, the steps, the buckets. `epoch_steps`: the
+    optimizer steps its epochs make (build.epoch_steps), to tell when max_steps cuts in."""
+    buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
+    per_rank = cfg.micro_global_batch_size // info.world_size
+    # No sampler: each rank reads its own part of an IterableDataset (train/epochs.py).
+    # `is not None`: a sampler resumed at an epoch's end has no batches left, so len() is 0.
+    batches = sampler.batches_per_epoch if sampler is not None else None
+    epoch = f"{batches} micro-batches" if batches is not None else "uneven per-rank parts"
+    epochs = f"{cfg.epochs} epoch(s)"
+    if epoch_steps is not None and total_steps < epoch_steps:
+        # A --dry-run or --max-steps run stops early: say so rather than promise every epoch.
+        epochs = f"max_steps={cfg.max_steps} ends it within {epochs}"
+    resumed = "" if resumed_at is None else f", resumed at step {resumed_at}"
+    return "\n".join(
+        [
+            f"ddptrain: launcher={info.launcher} world_size={info.world_size} "
+            f"backend={info.backend} device={info.device} precision={cfg.precision}",
+            f"  global_batch_size={cfg.global_batch_size} = {info.world_size} ranks x "
+            f"{per_rank} per rank x {cfg.grad_accum_steps} accumulation step(s)",
+            f"  {total_steps} optimizer steps ({epochs} of {epoch}{resumed})",
+            f"  buckets (MiB, launch order): [{buckets}]",
+        ]
+    )
+
+
+def start_record(cfg: Any, info: Any, step: int) -> dict[str, Any]:
+    """A run's first log record: what a plot's legend needs to tell runs apart."""
+    return {
+        "event": "start",
+        "step": step,
+        "time_s": 0.0,
+        "world_size": info.world_size,
+        "backend": info.backend,
+        "precision": cfg.precision,
+        "comm_hook": cfg.comm_hook,
+        "global_batch_size": cfg.global_batch_size,
+        "grad_accum_steps": cfg.grad_accum_steps,
+    }
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """`name=value, ...` as printed after an evaluation: counts whole, the rest to 4 places."""
+    return ", ".join(
+        f"{k}={v}" if isinstance(v, int) else f"{k}={v:.4f}" for k, v in metrics.items()
+    )
+
+
+def want_progress_bar(setting: bool | None) -> bool:
+    """TrainerConfig.progress_bar, where None means: only when stderr is a terminal."""
+    return setting if setting is not None else sys.stderr.isatty()

@@ -37,14 +37,14 @@ from torch.utils.data import Dataset
 
 from ddptrain import profiling
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
-from ddptrain.train import build, health, preempt, resume
+from ddptrain.train import build, health, preempt
+from ddptrain.train.checkpoint import resume
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.epochs import make_epochs
 from ddptrain.train.evaluation import evaluate, move_to
+from ddptrain.train.gradients import autocast, optimizer_step
 from ddptrain.train.health import NonFiniteError
-from ddptrain.train.log import describe_run
-from ddptrain.train.output import RunOutput
-from ddptrain.train.step import autocast, optimizer_step
+from ddptrain.train.output import RunOutput, describe_run
 
 __all__ = ["NonFiniteError", "Preempted", "Trainer"]
 

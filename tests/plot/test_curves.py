@@ -56,7 +56,7 @@ def test_a_run_resumed_from_an_earlier_step_replaces_the_steps_after_it():
 
 def test_a_non_finite_loss_is_written_as_json_null_and_skipped_by_the_plot(tmp_path):
     """MetricsLog writes NaN/inf as null (strict JSON); the curve leaves that point out."""
-    from ddptrain.train.log import MetricsLog
+    from ddptrain.train.metrics import MetricsLog
 
     log = MetricsLog(tmp_path)
     for step, loss in [(1, 2.0), (2, float("nan")), (3, float("inf")), (4, 1.0)]:

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -12,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-import ddptrain.train.checkpoint as ckpt
 from ddptrain.train.checkpoint import (
     CheckpointError,
     capture_rng_state,
@@ -119,7 +119,7 @@ _KILLED_SAVE = """
 import os, signal, sys
 import torch
 import ddptrain.train.checkpoint as ckpt
-import ddptrain.train.checkpoint_io as ckpt_io
+import ddptrain.train.checkpoint.files as ckpt_io
 
 stage, directory = sys.argv[1], sys.argv[2]
 real_write, real_replace = ckpt_io._HashingWriter.write, os.replace
@@ -179,7 +179,7 @@ def test_failed_save_keeps_older_checkpoints_and_leaves_no_temp_file(tmp_path, m
     def failing_replace(src, dst):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt.os, "replace", failing_replace)
+    monkeypatch.setattr(os, "replace", failing_replace)
     with pytest.raises(OSError, match="No space"):
         save_checkpoint(tmp_path, tiny_state(2.0), step=2, keep_last=1)
     monkeypatch.undo()

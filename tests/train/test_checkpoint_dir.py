@@ -130,7 +130,7 @@ def test_check_writable_reports_permission_denied(tmp_path, monkeypatch):
             raise PermissionError(13, "Permission denied", str(path))
         return real_open(path, flags, mode)
 
-    monkeypatch.setattr(ckpt.os, "open", deny_probe)
+    monkeypatch.setattr(os, "open", deny_probe)
     with pytest.raises(CheckpointError, match="is not writable \\(Permission denied\\)"):
         check_writable(tmp_path)
 

@@ -11,7 +11,7 @@ import ddptrain
 from ddptrain import profiling
 from ddptrain.plot import curves, timeline
 from ddptrain.train.config import TrainerConfig
-from ddptrain.train.timing import PHASES
+from ddptrain.train.metrics import PHASES
 from support.toy_models import ToyTrainer
 
 TRAINER_MARKS = {"ddptrain.data", "ddptrain.forward", "ddptrain.backward", "ddptrain.optimizer"}

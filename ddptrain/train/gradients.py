@@ -1,8 +1,10 @@
-"""One optimizer step's pieces, as functions of what they touch.
+"""What a step does with the averaged gradients: their norm, clipping, the non-finite check
+and the optimizer step; and the forward's precision.
 
-with autocast("bf16", device):                  # the forward's precision
-    loss = training_step(model, batch)
-stepped = optimizer_step(model, optimizer, scaler, grad_clip_norm)   # False: not finite
+    with autocast("bf16", device):                  # the forward's precision
+        loss = training_step(model, batch)
+    norm = grad_norm(model, max_norm=1.0)           # clipped to 1.0 (collective under ZeRO-2/3)
+    stepped = optimizer_step(model, optimizer, scaler, grad_clip_norm)   # False: not finite
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
-from ddptrain.train import build
+from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 
 
 def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -33,7 +35,7 @@ def optimizer_step(
     gradients and changed nothing, if they are not finite (the caller applies the policy)."""
     if scaler is not None:
         scaler.unscale_(optimizer)
-    norm = build.grad_norm(model, grad_clip_norm)
+    norm = grad_norm(model, grad_clip_norm)
     if scaler is not None:
         # GradScaler skips steps with inf/NaN itself: they are expected while it calibrates.
         scaler.step(optimizer)
@@ -45,3 +47,14 @@ def optimizer_step(
         return False
     optimizer.step()
     return True
+
+
+def grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """The whole gradient's norm, after clipping it to max_norm when given (collective under
+    zero_stage 2 and 3, where each rank holds a shard of the gradient)."""
+    if isinstance(model, FullyShardedDataParallel):
+        return model.grad_norm() if max_norm is None else model.clip_grad_norm_(max_norm)
+    params = [p for p in model.module.parameters() if p.grad is not None]
+    if max_norm is not None:
+        return nn.utils.clip_grad_norm_(params, max_norm)
+    return nn.utils.get_total_norm([p.grad for p in params])

@@ -15,8 +15,8 @@
 A checkpoint is a torch.save of a plain dict: `torch.load(path, weights_only=True)["model"]`
 loads into a plain nn.Module without ddptrain. save_checkpoint refuses, before writing, any value
 that weights_only loading would refuse. How the files are named, written atomically, verified and
-pruned is checkpoint_io.py's part; its public names are re-exported here. No torch.distributed
-calls here (train/resume.py does the rank-0-and-broadcast part).
+pruned is files.py's part. No torch.distributed calls here (resume.py does the
+rank-0-and-broadcast part).
 """
 
 from __future__ import annotations
@@ -34,18 +34,9 @@ from typing import Any
 
 import torch
 
-from ddptrain.train.checkpoint_io import (
-    BEST_POINTER,
-    INVALID_DIR,
+from ddptrain.train.checkpoint.files import (
     CheckpointError,
-    best_checkpoint,
-    check_writable,
     checkpoint_name,
-    latest_checkpoint,
-    latest_valid_checkpoint,
-    list_checkpoints,
-    parse_step,
-    set_aside_checkpoint,
     verify_checkpoint,
     write_checkpoint,
 )
@@ -54,29 +45,6 @@ try:
     import numpy as np
 except ImportError:
     np = None
-
-__all__ = [
-    "BEST_POINTER",
-    "FORMAT_KEY",
-    "FORMAT_VERSION",
-    "INVALID_DIR",
-    "CheckpointError",
-    "best_checkpoint",
-    "capture_rng_state",
-    "check_model_compat",
-    "check_writable",
-    "checkpoint_name",
-    "latest_checkpoint",
-    "latest_valid_checkpoint",
-    "list_checkpoints",
-    "load_checkpoint",
-    "load_model_state",
-    "parse_step",
-    "restore_rng_state",
-    "save_checkpoint",
-    "set_aside_checkpoint",
-    "verify_checkpoint",
-]
 
 FORMAT_KEY = "ddptrain_format"
 FORMAT_VERSION = 1

@@ -11,7 +11,7 @@ A directory holds `ckpt-00001000.pt`, its sidecar `ckpt-00001000.json` and `best
 best metric is used. Every file is written to a temp file, fsynced, renamed, and the directory
 fsynced; the sidecar only after the .pt is in place. A .pt counts as valid only when its sidecar
 exists and matches it, so a save killed at any point leaves the earlier checkpoints valid. One
-writer per directory. What goes into the .pt is checkpoint.py's business; this module stores bytes.
+writer per directory. What goes into the .pt is contents.py's business; this module stores bytes.
 Checkpoints set aside live in the `invalid/` subfolder: never listed, resumed from or pruned.
 """
 

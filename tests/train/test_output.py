@@ -1,12 +1,13 @@
-"""Logs: TensorBoard gets the same scalars as metrics.jsonl; a missing package is one line."""
+"""What a run records and shows: TensorBoard gets the same scalars as metrics.jsonl, a missing
+package is one line; the start lines and the progress bar."""
 
 import json
 
 import pytest
 import torch
 
-from ddptrain.train import build
-from ddptrain.train import log as logs
+from ddptrain.train import build, output
+from ddptrain.train import metrics as logs
 
 RECORDS = [
     {"event": "start", "step": 0, "time_s": 0.0, "world_size": 2, "precision": "fp32"},
@@ -56,17 +57,17 @@ def test_missing_tensorboard_says_how_to_install(tmp_path, monkeypatch):
 
 def test_metrics_line_prints_counts_whole_and_the_rest_to_four_places():
     """format_metrics: ints as they are, floats rounded to 4 places, in the dict's order."""
-    shown = logs.format_metrics({"eval_accuracy": 0.91437, "eval_samples": 10000, "loss": 2.5})
+    shown = output.format_metrics({"eval_accuracy": 0.91437, "eval_samples": 10000, "loss": 2.5})
     assert shown == "eval_accuracy=0.9144, eval_samples=10000, loss=2.5000"
 
 
 def test_progress_bar_setting_none_follows_the_terminal(monkeypatch):
     """progress_bar=None shows the bar only when stderr is a terminal; True/False always win."""
     for tty in (True, False):
-        monkeypatch.setattr(logs.sys.stderr, "isatty", lambda tty=tty: tty)
-        assert logs.want_progress_bar(None) is tty
-        assert logs.want_progress_bar(True) is True
-        assert logs.want_progress_bar(False) is False
+        monkeypatch.setattr(output.sys.stderr, "isatty", lambda tty=tty: tty)
+        assert output.want_progress_bar(None) is tty
+        assert output.want_progress_bar(True) is True
+        assert output.want_progress_bar(False) is False
 
 
 def test_summary_counts_only_the_samples_trained_since_start_or_resume(monkeypatch):
@@ -117,7 +118,7 @@ def _banner(epochs, max_steps, total_steps, batches_per_epoch=235, accum=1):
     )()
     model = NS(bucket_sizes_bytes=[2**20])
     by_epochs = build.epoch_steps(cfg, sampler)
-    return logs.describe_run(cfg, info, sampler, model, total_steps, None, by_epochs)
+    return output.describe_run(cfg, info, sampler, model, total_steps, None, by_epochs)
 
 
 def test_run_banner_says_when_max_steps_ends_the_run_early():
@@ -151,7 +152,7 @@ def test_lines_printed_during_a_progress_bar_go_above_it(capsys):
     """ProgressBar.print: with the bar on, a whole line on stdout (tqdm clears and redraws the
     bar on stderr around it); with it off, the same line."""
     for enabled in (True, False):
-        bar = logs.ProgressBar(total=10, initial=0, enabled=enabled)
+        bar = output.ProgressBar(total=10, initial=0, enabled=enabled)
         bar.update(3, {"loss": 0.5, "samples_per_s": 100.0})
         bar.print("step 3 epoch 1/2: eval_accuracy=0.9000")
         bar.close()
@@ -160,7 +161,7 @@ def test_lines_printed_during_a_progress_bar_go_above_it(capsys):
 
 def test_the_progress_bar_shows_the_steps_epoch_of_the_runs(capsys):
     """The bar names the epoch its step belongs to, counted from 1, of the run's epochs."""
-    bar = logs.ProgressBar(total=10, initial=0, enabled=True, epochs=2)
+    bar = output.ProgressBar(total=10, initial=0, enabled=True, epochs=2)
     bar.update(6, {"epoch": 2, "loss": 0.5, "samples_per_s": 100.0})
     bar.close()
     drawn = capsys.readouterr().err.replace("\r", "\n").splitlines()

@@ -1,11 +1,11 @@
-"""Output of the Trainer: a JSON-lines metrics file, TensorBoard and a progress bar (rank 0),
-the loss window they report (every rank), and the run's progress that fit() sums up.
+"""What a run records: a JSON-lines metrics file and TensorBoard (rank 0), the loss window
+and time split they report (every rank), and the run's progress that fit() sums up.
 
 log = MetricsLog("runs/mnist")        # appends to runs/mnist/metrics.jsonl
 log.write({"step": 10, "loss": 0.31})
 log = open_logs(("jsonl", "tensorboard"), "runs/mnist")   # both, the same records
 window = LossWindow(device)            # every rank: window.add(loss, samples) each step, and
-window.times.add("comm_s", 0.002)      # the step's time split (ddptrain.train.timing), then
+window.times.add("comm_s", 0.002)      # the step's time split (StepTimes, below), then
 mean_loss, samples_per_s, split = window.report()   # at a log step (a collective)
 # read back: [json.loads(line) for line in open("runs/mnist/metrics.jsonl")]
 # tensorboard --logdir runs    (needs the tensorboard package: pip install 'ddptrain[tensorboard]')
@@ -18,7 +18,6 @@ import importlib.util
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,11 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
-from ddptrain.dist import print0
 from ddptrain.paths import make_dir
-from ddptrain.train.timing import StepTimes, split_record
 
 LOGGERS = ("jsonl", "tensorboard")
 TENSORBOARD_HINT = (
@@ -139,43 +135,6 @@ def tensorboard_installed() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-class ProgressBar:
-    """A tqdm bar over optimizer steps: the epoch (of `epochs`), loss, samples/s, exposed comm
-    share; off when disabled."""
-
-    def __init__(self, total: int, initial: int, enabled: bool, epochs: int | None = None) -> None:
-        self._epochs = epochs
-        self._bar = (
-            tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True) if enabled else None
-        )
-
-    def update(self, step: int, record: dict[str, Any]) -> None:
-        """Move to `step` and show its epoch, the latest loss, throughput and exposed-communication
-        share."""
-        if self._bar is None:
-            return
-        if "epoch" in record:
-            of = f"/{self._epochs}" if self._epochs else ""
-            self._bar.set_description(f"epoch {record['epoch']}{of}", refresh=False)
-        self._bar.update(step - self._bar.n)
-        shown = {"loss": f"{record['loss']:.4f}", "samples_s": f"{record['samples_per_s']:.0f}"}
-        if "comm_share" in record:
-            shown["comm"] = f"{record['comm_share']:.0%}"
-        self._bar.set_postfix(shown)
-
-    def print(self, text: str) -> None:
-        """Print a line on rank 0 above the bar, which stays whole below it."""
-        if self._bar is None:
-            print0(text)
-        else:
-            self._bar.write(text)
-
-    def close(self) -> None:
-        """Close the bar."""
-        if self._bar is not None:
-            self._bar.close()
-
-
 class LossWindow:
     """Loss, samples and time split of the steps since the last log line, on every rank."""
 
@@ -248,63 +207,41 @@ class Progress:
         }
 
 
-def describe_run(
-    cfg: Any,
-    info: Any,
-    sampler: Any,
-    model: Any,
-    total_steps: int,
-    resumed_at: int | None,
-    epoch_steps: int | None = None,
-) -> str:
-    """What fit() prints before its first step, in short lines: who runs (launcher, world size,
-    backend, device, precision), the batch split, the steps, the buckets. `epoch_steps`: the
-    optimizer steps its epochs make (build.epoch_steps), to tell when max_steps cuts in."""
-    buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
-    per_rank = cfg.micro_global_batch_size // info.world_size
-    # No sampler: each rank reads its own part of an IterableDataset (train/epochs.py).
-    # `is not None`: a sampler resumed at an epoch's end has no batches left, so len() is 0.
-    batches = sampler.batches_per_epoch if sampler is not None else None
-    epoch = f"{batches} micro-batches" if batches is not None else "uneven per-rank parts"
-    epochs = f"{cfg.epochs} epoch(s)"
-    if epoch_steps is not None and total_steps < epoch_steps:
-        # A --dry-run or --max-steps run stops early: say so rather than promise every epoch.
-        epochs = f"max_steps={cfg.max_steps} ends it within {epochs}"
-    resumed = "" if resumed_at is None else f", resumed at step {resumed_at}"
-    return "\n".join(
-        [
-            f"ddptrain: launcher={info.launcher} world_size={info.world_size} "
-            f"backend={info.backend} device={info.device} precision={cfg.precision}",
-            f"  global_batch_size={cfg.global_batch_size} = {info.world_size} ranks x "
-            f"{per_rank} per rank x {cfg.grad_accum_steps} accumulation step(s)",
-            f"  {total_steps} optimizer steps ({epochs} of {epoch}{resumed})",
-            f"  buckets (MiB, launch order): [{buckets}]",
-        ]
-    )
+# ----------------------------------------------------------------------------- time split
+# Where a step's time goes: wall-clock marks summed over a log window (Tstep = Tcomp + Tsync).
+#
+#     times = StepTimes()
+#     times.add("data_s", 0.001); times.add("step_s", 0.010)      # per step, on each rank
+#     record.update(split_record(times.values(), steps=10))      # means per step, comm share
+#
+# Phases: data_s (next batch, moved to the device), compute_s (forward + backward, minus the
+# wait below), comm_s (the wrapper's wait for buckets after autograd is done: communication
+# that overlap did not hide), optim_s (unscale, clip or norm, optimizer step), step_s (the
+# whole step). They are host times: on CUDA, kernels still queued are not counted.
+PHASES = ("data_s", "compute_s", "comm_s", "optim_s", "step_s")
 
 
-def start_record(cfg: Any, info: Any, step: int) -> dict[str, Any]:
-    """A run's first log record: what a plot's legend needs to tell runs apart."""
-    return {
-        "event": "start",
-        "step": step,
-        "time_s": 0.0,
-        "world_size": info.world_size,
-        "backend": info.backend,
-        "precision": cfg.precision,
-        "comm_hook": cfg.comm_hook,
-        "global_batch_size": cfg.global_batch_size,
-        "grad_accum_steps": cfg.grad_accum_steps,
-    }
+class StepTimes:
+    """Seconds per phase, summed since the last reset."""
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(PHASES, 0.0)
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Add `seconds` to `phase`."""
+        self.sums[phase] += seconds
+
+    def values(self) -> list[float]:
+        """The sums in PHASES order."""
+        return [self.sums[p] for p in PHASES]
+
+    def reset(self) -> None:
+        """Start a new window."""
+        self.sums = dict.fromkeys(PHASES, 0.0)
 
 
-def format_metrics(metrics: dict[str, float]) -> str:
-    """`name=value, ...` as printed after an evaluation: counts whole, the rest to 4 places."""
-    return ", ".join(
-        f"{k}={v}" if isinstance(v, int) else f"{k}={v:.4f}" for k, v in metrics.items()
-    )
-
-
-def want_progress_bar(setting: bool | None) -> bool:
-    """TrainerConfig.progress_bar, where None means: only when stderr is a terminal."""
-    return setting if setting is not None else sys.stderr.isatty()
+def split_record(sums: list[float], steps: int) -> dict[str, float]:
+    """Per-step means of the phase sums over `steps` steps, and comm_s's share of step_s."""
+    means = {p: s / max(steps, 1) for p, s in zip(PHASES, sums, strict=True)}
+    means["comm_share"] = means["comm_s"] / means["step_s"] if means["step_s"] > 0 else 0.0
+    return means
