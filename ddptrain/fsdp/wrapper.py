@@ -32,6 +32,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ddptrain.ddp.exact import exact_norm
 from ddptrain.ddp.hooks import close_at_shutdown, new_group_like, release_group
 from ddptrain.ddp.replicas import ModelBuffers, broadcast_coalesced, coalesce, verify_same_model
 from ddptrain.fsdp import state
@@ -349,9 +350,15 @@ class FullyShardedDataParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Collective: scale every shard's gradient so the whole gradient's norm is at most
-        max_norm; returns the norm before clipping."""
-        total = self.grad_norm(norm_type)
+        max_norm; returns the norm before clipping. The 2-norm is the exact one
+        (ddp/exact.py): the same bits as the DDP wrapper's at any world size."""
         shards = [s for u in self.units for s in u.shards if s.grad is not None]
+        if norm_type == 2.0:
+            numel = sum(u.numel for u in self.units)
+            group = self.process_group
+            total = exact_norm([s.grad for s in shards], group, sharded=True, numel=numel)
+        else:
+            total = self.grad_norm(norm_type)
         torch.nn.utils.clip_grads_with_norm_(shards, max_norm, total)
         return total
 

@@ -14,6 +14,7 @@ import contextlib
 import torch
 from torch import nn
 
+from ddptrain.ddp.exact import exact_norm
 from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 
 
@@ -51,10 +52,14 @@ def optimizer_step(
 
 def grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
     """The whole gradient's norm, after clipping it to max_norm when given (collective under
-    zero_stage 2 and 3, where each rank holds a shard of the gradient)."""
+    zero_stage 2 and 3, where each rank holds a shard of the gradient). Clipping uses the exact
+    norm (ddp/exact.py): the same bits at every ZeRO stage and world size, so every stage clips
+    alike; without clipping the norm only tells whether the gradients are finite."""
     if isinstance(model, FullyShardedDataParallel):
         return model.grad_norm() if max_norm is None else model.clip_grad_norm_(max_norm)
     params = [p for p in model.module.parameters() if p.grad is not None]
-    if max_norm is not None:
-        return nn.utils.clip_grad_norm_(params, max_norm)
-    return nn.utils.get_total_norm([p.grad for p in params])
+    if max_norm is None:
+        return nn.utils.get_total_norm([p.grad for p in params])
+    norm = exact_norm([p.grad for p in params])
+    nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

@@ -1,0 +1,99 @@
+"""Order-free sums (ddp/exact.py): fixed-point gradient sums and the exact norm give the same
+bits in any grouping, stay within their stated error of float64, and report overflow."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from ddptrain.ddp import exact
+
+
+def _terms(n: int = 12, numel: int = 70_001) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    # Magnitudes spread over six decades, as gradients of one tensor are.
+    return [
+        torch.randn(numel, generator=g) * 10 ** (-6 * torch.rand(numel, generator=g))
+        for _ in range(n)
+    ]
+
+
+def _sum_in_groups(terms: list[torch.Tensor], shift: int, groups: list[list[int]]) -> torch.Tensor:
+    total = torch.zeros(terms[0].numel(), dtype=torch.int64)
+    for group in groups:
+        part = torch.zeros_like(total)
+        for i in group:
+            assert not exact.add_fixed(part, terms[i], shift)
+        total += part
+    return total
+
+
+def test_fixed_point_sums_do_not_depend_on_grouping_or_order():
+    """The same terms split over 1, 2, 3 or 4 'ranks', in any order, sum to the same integers,
+    and their float32 mean is bitwise the same; a float32 sum in those orders is not."""
+    terms = _terms()
+    shift = exact.fixed_point_shift(max(t.abs().max().item() for t in terms))
+    order = list(range(len(terms)))
+    random.Random(1).shuffle(order)
+    splits = [[order], [order[:6], order[6:]], [order[0::3], order[1::3], order[2::3]]]
+    splits.append([order[i::4] for i in range(4)])
+    sums = [_sum_in_groups(terms, shift, s) for s in splits]
+    assert all(torch.equal(sums[0], s) for s in sums)
+    means = []
+    for s in sums:
+        out = torch.empty(terms[0].numel())
+        exact.mean_from_fixed(s, shift, len(terms), out)
+        means.append(out)
+    assert all(torch.equal(means[0], m) for m in means)
+    float_sums = [sum(sum(terms[i] for i in g) for g in s) for s in splits]
+    assert not all(torch.equal(float_sums[0], f) for f in float_sums)
+
+
+def test_fixed_point_mean_is_within_its_grid_of_the_exact_mean():
+    """Each element of the mean is within one grid step (2**-shift) plus one float32 rounding
+    of the float64 mean."""
+    terms = _terms(n=5)
+    shift = exact.fixed_point_shift(max(t.abs().max().item() for t in terms))
+    acc = _sum_in_groups(terms, shift, [list(range(5))])
+    out = torch.empty(terms[0].numel())
+    exact.mean_from_fixed(acc, shift, 5, out)
+    truth = sum(t.double() for t in terms) / 5
+    bound = math.ldexp(1.0, -shift) + truth.abs() * 2**-24
+    assert bool(((out.double() - truth).abs() <= bound).all())
+
+
+def test_a_term_beyond_the_bound_overflows_and_is_reported():
+    """A term at the bound (at least 2**HEADROOM_BITS times the reference) is summed; one
+    beyond it is reported as an overflow, and so is a NaN."""
+    shift = exact.fixed_point_shift(1.0)
+    bound = exact.term_bound(shift)
+    assert bound >= 2.0**exact.HEADROOM_BITS
+    acc = torch.zeros(4, dtype=torch.int64)
+    assert not exact.add_fixed(acc, torch.full((4,), -bound), shift)
+    assert exact.add_fixed(acc, torch.full((4,), bound * 1.01), shift)
+    assert exact.add_fixed(acc, torch.tensor([0.0, math.nan, 0.0, 0.0]), shift)
+
+
+def test_exact_norm_is_the_same_bits_however_the_gradient_is_split():
+    """The norm of one gradient cut into pieces of any sizes, in any order, is bitwise the
+    same, and within 1e-6 of the float64 norm; inf and NaN give inf."""
+    g = torch.randn(100_003, generator=torch.Generator().manual_seed(2)) * 3e-2
+    whole = exact.exact_norm([g])
+    for sizes in (1000, 4097, 33_333):
+        pieces = list(g.split(sizes))
+        random.Random(sizes).shuffle(pieces)
+        assert torch.equal(exact.exact_norm(pieces, numel=g.numel()), whole)
+    truth = torch.linalg.vector_norm(g.double()).item()
+    assert abs(whole.item() - truth) <= 1e-6 * truth
+    for bad in (math.inf, math.nan):
+        assert exact.exact_norm([g, torch.tensor([bad])]).item() == math.inf
+
+
+@pytest.mark.parametrize("reference", [0.0, math.inf, 3.0e-7, 5.0e4])
+def test_the_shift_keeps_the_headroom_for_any_reference(reference):
+    """term_bound(fixed_point_shift(r)) is at least r * 2**HEADROOM_BITS (1.0 for 0 or inf)."""
+    r = reference if 0 < reference < math.inf else 1.0
+    assert exact.term_bound(exact.fixed_point_shift(reference)) >= r * 2**exact.HEADROOM_BITS
