@@ -18,6 +18,7 @@ from torch import nn
 
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.fsdp.unit import in_memory_order
+from ddptrain.fsdp.units import flat_layout
 from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
 from support import toy_models, worlds
@@ -91,13 +92,14 @@ def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=1e-3)
 
 
-def _wrap(name: str, base: nn.Module, stage: int, rank: int) -> nn.Module:
+def _wrap(name: str, base: nn.Module, stage: int, rank: int, group=None) -> nn.Module:
     module = copy.deepcopy(base)
     if stage == 0:
-        return DistributedDataParallel(module)
+        return DistributedDataParallel(module, process_group=group)
     units = MODELS[name][2]
     return FullyShardedDataParallel(
         module,
+        process_group=group,
         units=units(module) if units else None,
         unit_min_numel=800,
         reshard_after_forward=stage == 3,
@@ -123,12 +125,15 @@ def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------- cases
-def _train_against_ddp(name: str, kind: str, stage: int, rank: int, micro: int = 1) -> dict:
-    """STEPS steps of the DDP wrapper and of the sharded one from rank 0's weights: whether
-    every step's parameters, which gradients are None, and the final optimizer state agree."""
+def _train_against_ddp(
+    name: str, kind: str, stage: int, rank: int, micro: int = 1, group=None
+) -> dict:
+    """STEPS steps of the DDP wrapper and of the sharded one from rank 0's weights (of `group`,
+    both on it): whether every step's parameters, which gradients are None, and the final
+    optimizer state agree."""
     torch.manual_seed(1234 + rank)  # different weights per rank: both take rank 0's
     base = MODELS[name][0]()
-    ddp, sharded = _wrap(name, base, 0, rank), _wrap(name, base, stage, rank)
+    ddp, sharded = _wrap(name, base, 0, rank, group), _wrap(name, base, stage, rank, group)
     opts = {id(m): _optimizer(kind, m) for m in (ddp, sharded)}
     steps_equal, max_diff, none_equal = [], 0.0, []
     for step in range(STEPS):
@@ -153,6 +158,8 @@ def _train_against_ddp(name: str, kind: str, stage: int, rank: int, micro: int =
     }
 
 
+# On the subgroup: both stages, and a model with units named by hand.
+SUBGROUP = [("wide", "adamw", 3), ("wide", "sgd", 2), ("lenet", "sgd", 3)]
 EQUALITY = [
     ("wide", "sgd", 3),
     ("wide", "adamw", 3),
@@ -272,6 +279,51 @@ def _case_memory(info) -> dict:
     }
 
 
+def _case_gathered(info) -> dict:
+    """Bytes each unit of the size-policy _Wide holds gathered after a training forward, after
+    its backward and after a forward under no_grad, for ZeRO-2 and ZeRO-3."""
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = FullyShardedDataParallel(
+            _Wide(), unit_min_numel=800, reshard_after_forward=stage == 3
+        )
+        x, y = toy_models.batch("tanh", 0, info.rank)
+        seen = {}
+        loss = F.nll_loss(model(x), y)
+        seen["after_forward"] = _gathered_bytes(model)
+        loss.backward()
+        seen["after_backward"] = _gathered_bytes(model)
+        with torch.no_grad():
+            model(x)
+        seen["after_eval"] = _gathered_bytes(model)
+        out[stage] = seen
+    return out
+
+
+def _gathered_bytes(model: FullyShardedDataParallel) -> dict[str, int]:
+    """Bytes of whole parameters each unit holds now (its flat tensor's storage), by name."""
+    return {
+        name: unit.flat.untyped_storage().nbytes()
+        for name, unit in zip(model.unit_names, model.units, strict=True)
+    }
+
+
+def _case_subgroup(info) -> dict | None:
+    """Ranks 1 and 2 of 3 train the sharded wrapper and the DDP wrapper on their group while
+    rank 0 waits. Last in its world: only the group's ranks create the wrappers' own groups, so
+    the ranks no longer agree on the next group's number afterwards."""
+    group = dist.new_group(ranks=[1, 2])  # every rank must create it; only 1 and 2 join
+    out = None
+    if info.rank in (1, 2):
+        out = {
+            f"{n}-{k}-{s}": _train_against_ddp(n, k, s, dist.get_rank(group), group=group)
+            for n, k, s in SUBGROUP
+        }
+    dist.barrier()
+    return out
+
+
 # ---------------------------------------------------------------------------- states
 def _case_states_at_any_size(info) -> dict:
     """A plain model's state and a plain AdamW's (two local steps: every rank the same) load at
@@ -311,13 +363,15 @@ CASES = {
     "smooth_ws3": _case_smooth_ws3,
     "memory": _case_memory,
     "states": _case_states_at_any_size,
+    "gathered": _case_gathered,
+    "subgroup": _case_subgroup,
 }
 world = worlds.fixture(
     CASES,
     {
         1: ["equal_to_ddp"],
-        2: ["equal_to_ddp", "accumulation", "fully_shard", "memory", "states"],
-        3: ["one_step_ws3", "smooth_ws3", "memory", "states"],
+        2: ["equal_to_ddp", "accumulation", "fully_shard", "memory", "states", "gathered"],
+        3: ["one_step_ws3", "smooth_ws3", "memory", "states", "gathered", "subgroup"],
     },
 )
 
@@ -400,3 +454,46 @@ def test_plain_states_load_at_any_world_size_and_come_back_bitwise(world, world_
     for rank, r in enumerate(worlds.outcome(world(world_size), "states")):
         for name, d in r.items():
             assert d["model"] and d["optimizer"] == 0.0, (rank, name, d)
+
+
+@pytest.mark.parametrize("case", [f"{n}-{k}-{s}" for n, k, s in SUBGROUP])
+def test_on_a_subgroup_bitwise_equal_to_the_ddp_wrapper_on_it(world, case):
+    """On process_group = ranks [1, 2] of 3, the sharded wrapper trains as the DDP wrapper on
+    that group, bitwise after every step (gradients are the mean over the group's 2 ranks, not
+    the world's 3), from the group's rank 0's weights; rank 0 takes no part."""
+    results = worlds.outcome(world(3), "subgroup")
+    assert results[0] is None
+    for rank, r in enumerate(results[1:], start=1):
+        d = r[case]
+        print(f"subgroup {case} rank={rank}: max|diff|={d['max_diff']:.3g}")
+        assert all(d["steps_equal"]), (rank, d["steps_equal"], d["max_diff"])
+        assert all(d["none_equal"]), (rank, d["nones"])
+        assert d["state_diff"] == 0.0, (rank, d["state_diff"])
+
+
+def _unit_bytes(world_size: int) -> dict[str, int]:
+    """What each unit of the size-policy _Wide holds gathered: its parameters laid out as the
+    wrapper lays them (flat_layout: aligned, padded to world_size equal shards), in bytes."""
+    units = ["", "layers.0", "layers.1", "layers.2"]
+    numels: dict[str, list[int]] = {u: [] for u in units}
+    for name, p in _Wide().named_parameters():
+        owner = max((u for u in units if name.startswith(f"{u}.") or not u), key=len)
+        numels[owner].append(p.numel())
+    itemsize = torch.float32.itemsize
+    return {u: flat_layout(n, world_size).padded_numel * itemsize for u, n in numels.items()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero3_frees_units_between_forward_and_backward(world, world_size):
+    """Between a training forward and its backward ZeRO-3 holds only the root unit gathered
+    (its backward runs first) and ZeRO-2 every unit, each at its whole (padded) size; after the
+    backward, and after a forward under no_grad, no unit holds gathered parameters."""
+    whole = _unit_bytes(world_size)
+    none = dict.fromkeys(whole, 0)
+    root_only = {**none, "": whole[""]}
+    for rank, r in enumerate(worlds.outcome(world(world_size), "gathered")):
+        assert r[3]["after_forward"] == root_only, (rank, r[3]["after_forward"], whole)
+        assert r[2]["after_forward"] == whole, (rank, r[2]["after_forward"], whole)
+        for stage in (2, 3):
+            assert r[stage]["after_backward"] == none, (rank, stage, r[stage])
+            assert r[stage]["after_eval"] == none, (rank, stage, r[stage])
