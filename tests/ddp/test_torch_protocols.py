@@ -148,6 +148,18 @@ def _fp16():
     return None, default_hooks.fp16_compress_hook
 
 
+def _into_a_new_tensor():
+    """A hook shaped like the encode/decode hooks of torch's docs: it reduces a tensor of its
+    own and returns that one, leaving the bucket's buffer as it was."""
+
+    def hook(state, bucket):
+        encoded = bucket.buffer() / dist.get_world_size()
+        future = dist.all_reduce(encoded, async_op=True).get_future()
+        return future.then(lambda f: f.value()[0])
+
+    return None, hook
+
+
 def _powersgd():
     # Error feedback and warm start on (torch's defaults); plain all_reduce for 3 iterations.
     state = powerSGD_hook.PowerSGDState(
@@ -200,6 +212,9 @@ PROGRAMS = {
     "accumulate_with_no_sync": accumulate_with_no_sync,
     "allreduce_hook": functools.partial(_hooked, make_hook=_allreduce, bucket_cap_mb=0.002),
     "fp16_compress_hook": functools.partial(_hooked, make_hook=_fp16, bucket_cap_mb=0.002),
+    "hook_returning_a_new_tensor": functools.partial(
+        _hooked, make_hook=_into_a_new_tensor, bucket_cap_mb=0.002
+    ),
     # One bucket: official DDP's PowerSGD crashes on gloo with several (see below).
     "powerSGD_hook": functools.partial(_hooked, make_hook=_powersgd, bucket_cap_mb=25),
     "uneven_with_join": uneven_with_join,
@@ -338,14 +353,18 @@ def test_powersgd_runs_over_many_buckets(world):
         assert torch.equal(r["params"], results[0]["params"])
 
 
-def _zero_run(rank: int, batches: int, make_optimizer, join: bool, pad_to: int = 0):
+def _zero_run(rank: int, batches: int, make_optimizer, join: bool, pad_to: int = 0, micro: int = 1):
+    """Steps of `micro` batches each (all but the last under no_sync()); a step past
+    `batches` adds zero gradients."""
     model = ddptrain.DDP(_mlp())
     optimizer = make_optimizer(model.parameters())
     with Join([model, optimizer]) if join else nullcontext():
         for step in range(max(batches, pad_to)):
-            x, y = _batch(rank, step)
-            loss = F.cross_entropy(model(x), y)
-            (loss if step < batches else loss * 0).backward()
+            for m in range(micro):
+                x, y = _batch(rank, micro * step + m)
+                with model.no_sync() if m < micro - 1 else nullcontext():
+                    loss = F.cross_entropy(model(x), y)
+                    (loss if step < batches else loss * 0).backward()
             optimizer.step()
             optimizer.zero_grad()
     return _params(model)
@@ -364,15 +383,19 @@ def _case_join_with_zero(info) -> dict:
         "ours": _zero_run(info.rank, batches, ours, join=True),
         "torch_zero": _zero_run(info.rank, batches, torchs, join=True),
         "padded": _zero_run(info.rank, batches, ours, join=False, pad_to=7),
+        "accumulating": _zero_run(info.rank, batches, ours, join=True, micro=2),
+        "accumulating_padded": _zero_run(info.rank, batches, ours, join=False, pad_to=7, micro=2),
     }
 
 
 def test_join_with_zero_optimizers_equals_zero_gradient_steps(world):
     """torch's Join([model, ZeroRedundancyOptimizer]) on ddptrain's wrapper, with ddptrain's
-    ZeRO or torch's: bitwise the run where the short rank steps on zero gradients."""
+    ZeRO or torch's, and with steps of 2 micro-batches (one under no_sync): bitwise the run
+    where the short rank steps on zero gradients."""
     for r in worlds.outcome(world(WORLD_SIZE), "join_with_zero"):
         assert torch.equal(r["ours"], r["padded"])
         assert torch.equal(r["torch_zero"], r["padded"])
+        assert torch.equal(r["accumulating"], r["accumulating_padded"])
 
 
 # ------------------------------------------------------------------------------ refusals
