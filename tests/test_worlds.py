@@ -28,7 +28,9 @@ CONSEQUENCES = [
 ]
 
 
-@pytest.mark.parametrize("consequence", CONSEQUENCES)
+@pytest.mark.parametrize(
+    "consequence", CONSEQUENCES, ids=["closed", "reset", "timed_out", "store_timeout", "not_run"]
+)
 def test_the_root_cause_comes_first_whatever_rank_raised_it(consequence):
     """Rank 0's error caused by rank 1's failure is listed after rank 1's own error; both are
     in the report, and a rank that passed is not."""
