@@ -194,7 +194,8 @@ def _copy(value: Any) -> Any:
 def whole_grad_norm(model: FullyShardedDataParallel, norm_type: float = 2.0) -> torch.Tensor:
     """Collective: the norm of the whole gradient from every rank's shards (the sum of their
     p-th powers, or their max for the inf-norm), summed in float64."""
-    grads = [s.grad for u in model.units for s in u.shards if s.grad is not None]
+    # A shard can hold none of a parameter's elements: torch's inf-norm refuses empty tensors.
+    grads = [s.grad for u in model.units for s in u.shards if s.grad is not None and s.numel()]
     local = torch.nn.utils.get_total_norm(grads, norm_type)
     if model.world_size == 1:
         return local
