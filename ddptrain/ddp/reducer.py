@@ -217,7 +217,7 @@ class Reducer:
         if self._ready_order is not None:
             self._ready_order.append(index)
         bucket = self._bucket_of[index]
-        with span("ddptrain.fill bucket", bucket.grad_bucket.index()):
+        with span("ddptrain.fill bucket", bucket.index):
             self._fill(index, param.grad)
         if self._grad_is_view[index]:
             # Point .grad at its slot now, not when backward ends: autograd's private gradient

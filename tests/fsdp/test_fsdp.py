@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddptrain.ddp.wrapper import DistributedDataParallel
+from ddptrain.fsdp.layout import flat_layout
 from ddptrain.fsdp.unit import in_memory_order
-from ddptrain.fsdp.units import flat_layout
 from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
 from support import toy_models, worlds
