@@ -179,6 +179,21 @@ def fill_slot(
     return scratch
 
 
+def will_accumulate(grad_acc: Any) -> bool:
+    """Whether the running backward will accumulate into .grad through this AccumulateGrad."""
+    try:
+        return torch._C._will_engine_execute_node(grad_acc)
+    except RuntimeError:
+        # torch refuses the question for a leaf during torch.autograd.grad(), which returns
+        # gradients and accumulates none.
+        return False
+
+
+def has_other_hooks(param: torch.Tensor) -> bool:
+    """Hooks besides the wrapper's that would see a gradient before the wrapper scales it."""
+    return bool(param._backward_hooks) or len(param._post_accumulate_grad_hooks or ()) > 1
+
+
 def view_like(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """`flat` (p.numel() elements) viewed with p's shape and, for channels_last, its strides: a
     channels_last parameter gets a channels_last gradient view, as autograd would produce, so

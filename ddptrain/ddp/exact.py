@@ -21,10 +21,16 @@ wrapped around.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+from ddptrain.ddp.hooks import CommHook, Transport, global_rank, transport_hook
+from ddptrain.ddp.reducer import Reducer, refuse_create_graph, span
 
 # A term may be this many powers of two above the reference before it overflows.
 HEADROOM_BITS = 16
@@ -131,3 +137,245 @@ def exact_norm(
     if sharded and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return (total.double() * math.ldexp(1.0, -2 * shift)).sqrt().float()
+
+
+# ----------------------------------------------------------------------------- the exact mode
+def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
+    """The random seed of micro-batch `micro_batch` (counted over every rank) of step `step`:
+    a mix of the three (splitmix64), never of the rank."""
+    x = (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + micro_batch) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (x ^ (x >> 31)) % 2**63
+
+
+class ExactReducer(Reducer):
+    """The reducer of DistributedDataParallel(deterministic=True): every micro-batch's gradient
+    is rounded into an int64 accumulator, its bucket slot, and buckets are summed as integers,
+    so after the synchronized backward each .grad is the mean over every rank's micro-batches
+    with the same bits at any world size (design.md, "Same bits at any world size").
+
+    - The grid of each parameter is agreed once per step, from rank 0's first micro-batch
+      (micro-batch 0 at every world size): its gradients wait in .grad until the end of that
+      backward, then one broadcast of n magnitudes; later ones go straight into the slots.
+    - Micro-batch k (counted over ranks: k = j * world_size + rank for a rank's j-th) draws
+      its random numbers from micro_batch_seed(seed, step, k), seed being rank 0's.
+    - Its BatchNorm layers update their running statistics from where the step began; the
+      step's statistics are the mean of the micro-batches' results, in the order of k.
+    - The last bucket's tail sums the used flags, the micro-batch count (the mean's divisor),
+      overflows and the carried value: still one reduction per bucket.
+    """
+
+    bucket_dtype = torch.int64
+
+    def __init__(self, module: nn.Module, *args: Any) -> None:
+        super().__init__(*args)
+        self.rank = dist.get_rank(self.process_group)
+        # Synchronized backwards so far: the step that keys micro-batches' random numbers.
+        # A resumed run sets it to the step it resumes from.
+        self.step = 0
+        # This rank's backwards since the last synchronized one; and their forwards.
+        self.micro_batches = self._forwards = 0
+        # Per parameter, the grid's exponent for this step; None until the first backward ends.
+        self.shifts: list[int] | None = None
+        # Whether the last synchronized backward overflowed (its gradients are then inf).
+        self.overflowed = False
+        self._overflows = 0
+        self._in_backward = False
+        seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64)
+        if self.world_size > 1:
+            dist.broadcast(seed, global_rank(self.process_group, 0), group=self.process_group)
+        self.seed = int(seed.item())
+        self._norms = [
+            m
+            for m in module.modules()
+            if isinstance(m, _NormBase) and m.track_running_stats and m.running_mean is not None
+        ]
+        self._step_start: list[torch.Tensor] | None = None
+        self._records: list[torch.Tensor] = []
+        module.register_forward_pre_hook(self._before_forward)
+        module.register_forward_hook(self._after_forward)
+
+    def use_hook(self, state: object, hook: CommHook) -> None:
+        """Only a Transport that sums int64 buckets exactly (not a cast, not a torch hook)."""
+        if not (isinstance(state, Transport) and hook is transport_hook and state.sums_exactly):
+            raise ValueError(
+                f"deterministic=True sums integer buckets; {type(state).__name__} with "
+                f"{getattr(hook, '__name__', hook)} does not (a torch hook, a bf16/fp16 cast or "
+                "PowerSGD rounds them): use the default hook, or named_hook('allreduce'), 'shm', "
+                "'tcp' or 'ring'"
+            )
+        super().use_hook(state, hook)
+
+    def _tail_values(self) -> list[int]:
+        return [*self.used, self.micro_batches, self._overflows, self._carry_value]
+
+    def claim_slot(self, param: torch.Tensor) -> None:
+        return None  # slots are integers: autograd never writes a gradient there
+
+    def reduce_gradients(self, divisor: int | None = None) -> None:
+        raise RuntimeError(
+            "uneven inputs (torch's Join) are not supported with deterministic=True: a rank "
+            "that runs out changes which micro-batches make a step"
+        )
+
+    # ----------------------------------------------------------------------------- forward
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        k = self._forwards * self.world_size + self.rank
+        torch.manual_seed(micro_batch_seed(self.seed, self.step, k))
+        self._forwards += 1
+        if not self._norms:
+            return
+        with torch.no_grad():
+            if self._step_start is None:
+                self._step_start = [t.clone() for t in self._norm_tensors()]
+            else:
+                for t, start in zip(self._norm_tensors(), self._step_start, strict=True):
+                    t.copy_(start)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._norms and module.training and torch.is_grad_enabled():
+            stats = [t.detach().reshape(-1).double() for t in self._norm_tensors(counts=False)]
+            self._records.append(torch.cat(stats))
+
+    def _norm_tensors(self, counts: bool = True) -> list[torch.Tensor]:
+        out = []
+        for m in self._norms:
+            out += [m.running_mean, m.running_var]
+            if counts and m.num_batches_tracked is not None:
+                out.append(m.num_batches_tracked)
+        return out
+
+    # ----------------------------------------------------------------------------- backward
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        self.used[index] = True
+        if not self._in_backward:
+            self._in_backward = True
+            self.micro_batches += 1
+            if self.sync:
+                self._start_reducing(index)
+            else:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_micro_batch)
+        elif self.ready[index]:
+            raise RuntimeError(
+                f"gradient of '{self.names[index]}' became ready twice in one backward"
+            )
+        refuse_create_graph(param.grad)
+        self.ready[index] = True
+        if self.sync and self._ready_order is not None:
+            self._ready_order.append(index)
+        if self.shifts is None:
+            return  # the step's first backward: in .grad until the grids are agreed
+        self._accumulate(index)
+        if self.sync and self._bucket_of[index].arrived():
+            self._launch_ready_buckets()
+
+    def _accumulate(self, index: int) -> None:
+        param = self.params[index]
+        with span("ddptrain.fill bucket", self._bucket_of[index].index):
+            if add_fixed(self._views[index], param.grad, self.shifts[index]):
+                self._overflows += 1
+        param.grad = None
+
+    def _agree_grids(self) -> None:
+        """End of the step's first backward: every rank takes rank 0's magnitudes (one
+        broadcast), then rounds what waits in .grad."""
+        device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
+        peaks = torch.zeros(len(self.params), dtype=torch.float64, device=device)
+        if self.rank == 0:
+            for i, p in enumerate(self.params):
+                if self.ready[i] and p.grad is not None and p.grad.numel():
+                    peaks[i] = torch.linalg.vector_norm(p.grad.detach(), math.inf).double()
+        if self.world_size > 1:
+            dist.broadcast(peaks, global_rank(self.process_group, 0), group=self.process_group)
+        peaks = peaks.tolist()
+        # A parameter micro-batch 0 did not reach takes the largest magnitude of any.
+        fallback = max((v for v in peaks if math.isfinite(v)), default=1.0)
+        self.shifts = [fixed_point_shift(v if v > 0 else fallback) for v in peaks]
+        for i, ready in enumerate(self.ready):
+            if ready and self.params[i].grad is not None:
+                self._accumulate(i)
+
+    def _end_micro_batch(self) -> None:
+        """Queued at the end of a backward under no_sync()."""
+        if self.shifts is None:
+            self._agree_grids()
+        self._in_backward = False
+        self.ready = [False] * len(self.params)
+
+    def _finalize_buckets(self) -> None:
+        self.synchronized_once = True
+        try:
+            if self.shifts is None:
+                self._agree_grids()
+                for i, ready in enumerate(self.ready):
+                    if ready:
+                        self._bucket_of[i].arrived()
+            for i, ready in enumerate(self.ready):
+                if not ready:
+                    self._bucket_of[i].arrived()
+            self._launch_ready_buckets()
+            started = time.perf_counter()
+            for b, bucket in enumerate(self.buckets):
+                with span("ddptrain.wait bucket", b):
+                    bucket.wait()
+            self.last_comm_wait_s = time.perf_counter() - started
+            *flags, count, overflows, carried = self._tail.tolist()
+            self._carry_value, self.carried = 0, carried
+            self._combine_norm_statistics(count)
+            self.overflowed = bool(overflows) or count > 2**COUNT_BITS
+            for index, p in enumerate(self.params):
+                if flags[index]:
+                    p.grad = torch.empty_like(p)
+                    if self.overflowed:
+                        p.grad.fill_(math.inf)
+                    else:
+                        mean_from_fixed(self._views[index], self.shifts[index], count, p.grad)
+            for bucket in self.buckets:
+                bucket.flat.zero_()
+            if self._ready_order is not None:
+                self._rebuild_in_ready_order()
+        except BaseException:
+            self._runner.close()
+            raise
+        finally:
+            self._reset_step()
+            self.shifts, self._in_backward, self._overflows = None, False, 0
+            self.micro_batches = self._forwards = 0
+            self.step += 1
+
+    def _combine_norm_statistics(self, count: int) -> None:
+        """Every norm layer's running statistics: the mean over the step's micro-batches of
+        what each one's update gave (in the order of k), the same on every rank."""
+        if not self._norms or self._step_start is None:
+            return
+        mine = torch.stack(self._records)
+        if mine.shape[0] * self.world_size != count:
+            raise RuntimeError(
+                f"deterministic=True needs the same number of micro-batches on every rank: "
+                f"this rank ran {mine.shape[0]} training forwards, the step {count} backwards "
+                f"over {self.world_size} ranks"
+            )
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        if self.world_size > 1:
+            dist.all_gather(everyone, mine, group=self.process_group)
+        else:
+            everyone = [mine]
+        # Rank r's j-th record is micro-batch j * world_size + r.
+        ordered = torch.stack(everyone, dim=1).reshape(count, -1)
+        total = torch.zeros_like(ordered[0])
+        for record in ordered:
+            total += record
+        mean = total / count
+        start, offset = iter(self._step_start), 0
+        with torch.no_grad():
+            for t in self._norm_tensors():
+                first = next(start)
+                if t.dtype == torch.long:
+                    t.copy_(first + count)
+                    continue
+                t.copy_(mean[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+        self._step_start, self._records = None, []

@@ -103,7 +103,11 @@ class Transport(ABC):
     `reduce` receives a bucket whose buffer holds gradients already divided by the number of
     ranks contributing (and, in the last bucket, flags to sum) and leaves the SUM over ranks in
     it before returning. It runs one bucket at a time, in bucket order, on every rank.
+    `sums_exactly`: an int64 bucket's sum is exact (the deterministic mode's need); a transport
+    that casts the bucket says False.
     """
+
+    sums_exactly = True
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed bucket of `numel` elements (collective where the transport shares memory)."""
