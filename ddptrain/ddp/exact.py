@@ -44,8 +44,8 @@ _PIECE = 1 << 16
 
 def fixed_point_shift(reference: float) -> int:
     """The power of two a gradient is scaled by before rounding: values up to
-    reference * 2**HEADROOM_BITS, summed 2**COUNT_BITS times, still fit in 62 bits. A zero or
-    non-finite reference gets the shift of 1.0."""
+    reference * 2**HEADROOM_BITS, summed 2**COUNT_BITS times, still fit in 62 bits. A zero
+    (micro-batch 0 did not reach the parameter) or non-finite reference counts as 1.0."""
     if not math.isfinite(reference) or reference <= 0:
         reference = 1.0
     exponent = math.frexp(reference)[1]  # reference < 2**exponent
@@ -149,6 +149,103 @@ def micro_batch_seed(seed: int, step: int, micro_batch: int) -> int:
     return (x ^ (x >> 31)) % 2**63
 
 
+class MicroBatchForwards:
+    """What makes a micro-batch's forward the same at any world size: its random numbers
+    drawn from micro_batch_seed(seed, step, k), and its BatchNorm layers starting from the
+    running statistics the step began with; `combine` then makes the step's statistics the
+    mean of the micro-batches' results, in the order of k, on every rank.
+
+        forwards = MicroBatchForwards(module, group)   # collective: rank 0's seed
+        ... training forwards: hooks on `module` do the rest ...
+        forwards.combine(count)                         # collective, after the step's backwards
+    """
+
+    def __init__(self, module: nn.Module, group: Any) -> None:
+        self.group = group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        # Synchronized backwards so far: the step that keys micro-batches' random numbers. A
+        # resumed run sets it to the step it resumes from.
+        self.step = 0
+        self.forwards = 0  # this rank's training forwards in this step
+        seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64)
+        if self.world_size > 1:
+            dist.broadcast(seed, global_rank(group, 0), group=group)
+        self.seed = int(seed.item())
+        self._norms = [
+            m
+            for m in module.modules()
+            if isinstance(m, _NormBase) and m.track_running_stats and m.running_mean is not None
+        ]
+        self._step_start: list[torch.Tensor] | None = None
+        self._records: list[torch.Tensor] = []
+        module.register_forward_pre_hook(self._before_forward)
+        module.register_forward_hook(self._after_forward)
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        k = self.forwards * self.world_size + self.rank
+        torch.manual_seed(micro_batch_seed(self.seed, self.step, k))
+        self.forwards += 1
+        if not self._norms:
+            return
+        with torch.no_grad():
+            if self._step_start is None:
+                self._step_start = [t.clone() for t in self._norm_tensors()]
+            else:
+                for t, start in zip(self._norm_tensors(), self._step_start, strict=True):
+                    t.copy_(start)
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._norms and module.training and torch.is_grad_enabled():
+            stats = [t.detach().reshape(-1).double() for t in self._norm_tensors(counts=False)]
+            self._records.append(torch.cat(stats))
+
+    def _norm_tensors(self, counts: bool = True) -> list[torch.Tensor]:
+        out = []
+        for m in self._norms:
+            out += [m.running_mean, m.running_var]
+            if counts and m.num_batches_tracked is not None:
+                out.append(m.num_batches_tracked)
+        return out
+
+    def combine(self, count: int) -> None:
+        """Collective after the step's last backward (`count` micro-batches over every rank):
+        the running statistics every rank ends the step with; the next step begins."""
+        self.step += 1
+        forwards, self.forwards = self.forwards, 0
+        if not self._norms or self._step_start is None:
+            return
+        if forwards * self.world_size != count:
+            raise RuntimeError(
+                "deterministic=True needs one training forward per micro-batch and the same "
+                f"number on every rank: this rank ran {forwards} forwards, the step {count} "
+                f"backwards over {self.world_size} ranks"
+            )
+        mine = torch.stack(self._records)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        if self.world_size > 1:
+            dist.all_gather(everyone, mine, group=self.group)
+        else:
+            everyone = [mine]
+        # Rank r's j-th record is micro-batch j * world_size + r.
+        ordered = torch.stack(everyone, dim=1).reshape(count, -1)
+        total = torch.zeros_like(ordered[0])
+        for record in ordered:
+            total += record
+        mean = total / count
+        start, offset = iter(self._step_start), 0
+        with torch.no_grad():
+            for t in self._norm_tensors():
+                first = next(start)
+                if t.dtype == torch.long:
+                    t.copy_(first + count)
+                    continue
+                t.copy_(mean[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+        self._step_start, self._records = None, []
+
+
 class ExactReducer(Reducer):
     """The reducer of DistributedDataParallel(deterministic=True): every micro-batch's gradient
     is rounded into an int64 accumulator, its bucket slot, and buckets are summed as integers,
@@ -170,31 +267,25 @@ class ExactReducer(Reducer):
 
     def __init__(self, module: nn.Module, *args: Any) -> None:
         super().__init__(*args)
-        self.rank = dist.get_rank(self.process_group)
-        # Synchronized backwards so far: the step that keys micro-batches' random numbers.
-        # A resumed run sets it to the step it resumes from.
-        self.step = 0
-        # This rank's backwards since the last synchronized one; and their forwards.
-        self.micro_batches = self._forwards = 0
+        self.forwards = MicroBatchForwards(module, self.process_group)
+        # This rank's backwards since the last synchronized one.
+        self.micro_batches = 0
         # Per parameter, the grid's exponent for this step; None until the first backward ends.
         self.shifts: list[int] | None = None
         # Whether the last synchronized backward overflowed (its gradients are then inf).
         self.overflowed = False
         self._overflows = 0
         self._in_backward = False
-        seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64)
-        if self.world_size > 1:
-            dist.broadcast(seed, global_rank(self.process_group, 0), group=self.process_group)
-        self.seed = int(seed.item())
-        self._norms = [
-            m
-            for m in module.modules()
-            if isinstance(m, _NormBase) and m.track_running_stats and m.running_mean is not None
-        ]
-        self._step_start: list[torch.Tensor] | None = None
-        self._records: list[torch.Tensor] = []
-        module.register_forward_pre_hook(self._before_forward)
-        module.register_forward_hook(self._after_forward)
+
+    @property
+    def step(self) -> int:
+        """Synchronized backwards so far: keys the micro-batches' random numbers; a resumed
+        run sets it to the step it resumes from."""
+        return self.forwards.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.forwards.step = value
 
     def use_hook(self, state: object, hook: CommHook) -> None:
         """Only a Transport that sums int64 buckets exactly (not a cast, not a torch hook)."""
@@ -218,35 +309,6 @@ class ExactReducer(Reducer):
             "uneven inputs (torch's Join) are not supported with deterministic=True: a rank "
             "that runs out changes which micro-batches make a step"
         )
-
-    # ----------------------------------------------------------------------------- forward
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        k = self._forwards * self.world_size + self.rank
-        torch.manual_seed(micro_batch_seed(self.seed, self.step, k))
-        self._forwards += 1
-        if not self._norms:
-            return
-        with torch.no_grad():
-            if self._step_start is None:
-                self._step_start = [t.clone() for t in self._norm_tensors()]
-            else:
-                for t, start in zip(self._norm_tensors(), self._step_start, strict=True):
-                    t.copy_(start)
-
-    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._norms and module.training and torch.is_grad_enabled():
-            stats = [t.detach().reshape(-1).double() for t in self._norm_tensors(counts=False)]
-            self._records.append(torch.cat(stats))
-
-    def _norm_tensors(self, counts: bool = True) -> list[torch.Tensor]:
-        out = []
-        for m in self._norms:
-            out += [m.running_mean, m.running_var]
-            if counts and m.num_batches_tracked is not None:
-                out.append(m.num_batches_tracked)
-        return out
 
     # ----------------------------------------------------------------------------- backward
     def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
@@ -284,16 +346,13 @@ class ExactReducer(Reducer):
         broadcast), then rounds what waits in .grad."""
         device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
         peaks = torch.zeros(len(self.params), dtype=torch.float64, device=device)
-        if self.rank == 0:
+        if self.forwards.rank == 0:
             for i, p in enumerate(self.params):
                 if self.ready[i] and p.grad is not None and p.grad.numel():
                     peaks[i] = torch.linalg.vector_norm(p.grad.detach(), math.inf).double()
         if self.world_size > 1:
             dist.broadcast(peaks, global_rank(self.process_group, 0), group=self.process_group)
-        peaks = peaks.tolist()
-        # A parameter micro-batch 0 did not reach takes the largest magnitude of any.
-        fallback = max((v for v in peaks if math.isfinite(v)), default=1.0)
-        self.shifts = [fixed_point_shift(v if v > 0 else fallback) for v in peaks]
+        self.shifts = [fixed_point_shift(v) for v in peaks.tolist()]
         for i, ready in enumerate(self.ready):
             if ready and self.params[i].grad is not None:
                 self._accumulate(i)
@@ -324,7 +383,7 @@ class ExactReducer(Reducer):
             self.last_comm_wait_s = time.perf_counter() - started
             *flags, count, overflows, carried = self._tail.tolist()
             self._carry_value, self.carried = 0, carried
-            self._combine_norm_statistics(count)
+            self.forwards.combine(count)
             self.overflowed = bool(overflows) or count > 2**COUNT_BITS
             for index, p in enumerate(self.params):
                 if flags[index]:
@@ -343,39 +402,4 @@ class ExactReducer(Reducer):
         finally:
             self._reset_step()
             self.shifts, self._in_backward, self._overflows = None, False, 0
-            self.micro_batches = self._forwards = 0
-            self.step += 1
-
-    def _combine_norm_statistics(self, count: int) -> None:
-        """Every norm layer's running statistics: the mean over the step's micro-batches of
-        what each one's update gave (in the order of k), the same on every rank."""
-        if not self._norms or self._step_start is None:
-            return
-        mine = torch.stack(self._records)
-        if mine.shape[0] * self.world_size != count:
-            raise RuntimeError(
-                f"deterministic=True needs the same number of micro-batches on every rank: "
-                f"this rank ran {mine.shape[0]} training forwards, the step {count} backwards "
-                f"over {self.world_size} ranks"
-            )
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        if self.world_size > 1:
-            dist.all_gather(everyone, mine, group=self.process_group)
-        else:
-            everyone = [mine]
-        # Rank r's j-th record is micro-batch j * world_size + r.
-        ordered = torch.stack(everyone, dim=1).reshape(count, -1)
-        total = torch.zeros_like(ordered[0])
-        for record in ordered:
-            total += record
-        mean = total / count
-        start, offset = iter(self._step_start), 0
-        with torch.no_grad():
-            for t in self._norm_tensors():
-                first = next(start)
-                if t.dtype == torch.long:
-                    t.copy_(first + count)
-                    continue
-                t.copy_(mean[offset : offset + t.numel()].view(t.shape))
-                offset += t.numel()
-        self._step_start, self._records = None, []
+            self.micro_batches = 0
