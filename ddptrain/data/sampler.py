@@ -1,4 +1,4 @@
-"""Partitioning, a resumable distributed sampler and evaluation shards.
+"""Resumable distributed samplers and evaluation shards.
 
     train_set = ddptrain.data.mnist("data", train=True)            # offline, whole split in memory
     sampler = ShardedSampler(len(train_set), global_batch_size=256, seed=0)
@@ -24,73 +24,12 @@ Global batch k is the same set of samples at every world size; rank r takes its 
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, Sampler
-
-# Float sums such as 0.7 + 0.2 + 0.1 miss 1.0 by an ulp; they still mean "all of the data".
-_SUM_TOLERANCE = 1e-9
-
-
-def partition_indices(n: int, sizes: Sequence[float], seed: int = 1234) -> list[list[int]]:
-    """Shuffle range(n) with `seed` and cut it into disjoint parts of fractions `sizes`."""
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    sizes = [float(s) for s in sizes]
-    total = sum(sizes)
-    if not sizes or any(s < 0 for s in sizes) or total > 1 + _SUM_TOLERANCE:
-        raise ValueError(
-            f"sizes must be non-negative fractions summing to at most 1, got {sizes} "
-            f"(sum {total:.6g}); e.g. [0.5, 0.5] or [1 / world_size] * world_size"
-        )
-    indices = list(range(n))
-    # Python's Random, as the PyTorch distributed tutorial's DataPartitioner, so a seed gives
-    # the tutorial's partitions whenever each fraction times n is a whole number.
-    random.Random(seed).shuffle(indices)
-    # Cutting at rounded cumulative fractions (not int(frac * n) per part) loses no sample
-    # when the fractions sum to 1, and keeps each part within one sample of frac * n.
-    bounds, cumulative = [0], 0.0
-    for s in sizes:
-        cumulative += s
-        bounds.append(min(n, math.floor(cumulative * n + 0.5)))
-    if total >= 1 - _SUM_TOLERANCE:
-        bounds[-1] = n
-    return [indices[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-
-
-class Partition(Dataset):
-    """A view of `data` restricted to `indices`."""
-
-    def __init__(self, data: Any, indices: Sequence[int]):
-        self.data = data
-        self.indices = list(indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.data[self.indices[i]]
-
-
-class DataPartitioner:
-    """Split a dataset into seeded random parts: `DataPartitioner(ds, [0.5, 0.5]).use(rank)`."""
-
-    def __init__(self, data: Any, sizes: Sequence[float] = (0.7, 0.2, 0.1), seed: int = 1234):
-        self.data = data
-        self.partitions = partition_indices(len(data), sizes, seed)
-
-    def use(self, partition: int) -> Partition:
-        """The `partition`-th part as a dataset."""
-        if not 0 <= partition < len(self.partitions):
-            raise IndexError(
-                f"partition {partition} does not exist; there are {len(self.partitions)} "
-                f"(0 to {len(self.partitions) - 1})"
-            )
-        return Partition(self.data, self.partitions[partition])
+from torch.utils.data import Sampler
 
 
 def global_order(
@@ -283,6 +222,128 @@ class ShardedSampler(Sampler[int]):
             )
         self.epoch = int(state["epoch"])
         self._consumed_samples = consumed
+
+
+class MicroBatchSampler(Sampler[int]):
+    """Per-rank indices of micro-batches that are the same samples at any world size: the
+    deterministic mode's sampler (TrainerConfig(deterministic=True, micro_batch_size=N)).
+
+    - The epoch's order is `global_order(...)` padded (or cut) to whole global batches of
+      `global_batch_size` G, whatever the world size.
+    - Micro-batch k of global batch s is `order[s * G + k * N:][:N]`; rank r takes k = r,
+      r + world_size, ...: its j-th micro-batch of a step is k = j * world_size + r.
+    - A "batch" here (num_batches, mark_consumed) is one round of world_size micro-batches,
+      one per rank; a step is G / (N * world_size) rounds. The position is counted in global
+      samples, so `state_dict()` loads at any world size that divides G / N.
+    """
+
+    def __init__(
+        self,
+        dataset_len: int,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ):
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        micro_batches = global_batch_size // micro_batch_size
+        if global_batch_size % micro_batch_size or micro_batches % self.world_size:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} is not micro-batches of "
+                f"{micro_batch_size} that {self.world_size} ranks can share evenly"
+            )
+        if drop_last and dataset_len < global_batch_size:
+            raise ValueError(
+                f"drop_last=True with dataset_len {dataset_len} < global_batch_size "
+                f"{global_batch_size} leaves no batch; use drop_last=False or a smaller batch"
+            )
+        self.dataset_len = dataset_len
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.round_size = micro_batch_size * self.world_size
+        self.epoch = 0
+        self._consumed_samples = 0
+
+    @property
+    def per_rank_batch_size(self) -> int:
+        """Samples per micro-batch on this rank."""
+        return self.micro_batch_size
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Rounds in a whole epoch (world_size micro-batches each)."""
+        steps = self.dataset_len // self.global_batch_size
+        if not self.drop_last:
+            steps = math.ceil(self.dataset_len / self.global_batch_size)
+        return steps * self.global_batch_size // self.round_size
+
+    @property
+    def consumed_samples(self) -> int:
+        """Global samples (padding included) marked consumed in the current epoch."""
+        return self._consumed_samples
+
+    @property
+    def num_batches(self) -> int:
+        """Rounds left in the current epoch from the current position."""
+        return self.batches_per_epoch - self._consumed_samples // self.round_size
+
+    def __len__(self) -> int:
+        return self.num_batches * self.micro_batch_size
+
+    def __iter__(self) -> Iterator[int]:
+        order = global_order(
+            self.dataset_len,
+            self.global_batch_size,
+            epoch=self.epoch,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+        )
+        n, start = self.micro_batch_size, self._consumed_samples + self.rank * self.micro_batch_size
+        mine = [order[a : a + n] for a in range(start, len(order), self.round_size)]
+        return iter([i for micro_batch in mine for i in micro_batch])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch's order; a new epoch starts at its beginning, the current one stays put."""
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._consumed_samples = 0
+
+    def mark_consumed(self, num_batches: int = 1) -> None:
+        """Record that the next `num_batches` rounds (every rank's micro-batch) were trained on."""
+        if not 0 <= num_batches <= self.num_batches:
+            raise RuntimeError(
+                f"mark_consumed({num_batches}) but epoch {self.epoch} has {self.num_batches} "
+                "round(s) left"
+            )
+        self._consumed_samples += num_batches * self.round_size
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch and global samples consumed, plus the settings that define the order."""
+        state = {key: getattr(self, key) for key in (*_STATE_KEYS, "micro_batch_size")}
+        state.update(epoch=self.epoch, consumed_samples=self._consumed_samples)
+        return {**state, "world_size": self.world_size}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at `state`'s epoch and position; the world size may differ."""
+        for key in (*_STATE_KEYS, "micro_batch_size"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(
+                    f"checkpointed sampler has {key}={state.get(key)!r} but this one has "
+                    f"{key}={getattr(self, key)!r}; they define the sample order"
+                )
+        consumed = int(state["consumed_samples"])
+        if consumed % self.global_batch_size:
+            raise ValueError(
+                f"consumed_samples {consumed} is not a whole number of global batches of "
+                f"{self.global_batch_size}"
+            )
+        self.epoch, self._consumed_samples = int(state["epoch"]), consumed
 
 
 class EvalSampler(Sampler[int]):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from ddptrain.ddp.buckets import memory_format, memory_order
 from ddptrain.ddp.hooks import CommHook, Transport, global_rank, transport_hook
 from ddptrain.ddp.reducer import Reducer, refuse_create_graph, span
 
@@ -58,10 +59,12 @@ def term_bound(shift: int) -> float:
 
 
 def add_fixed(acc: torch.Tensor, grad: torch.Tensor, shift: int) -> bool:
-    """acc += round(grad * 2**shift) (acc: int64, grad's shape or flat); True if a term was
-    out of range (it was clipped to the bound; the sum is then not to be used)."""
-    flat = grad.detach().reshape(-1)
-    target = acc.view(-1)
+    """acc += round(grad * 2**shift) (acc: int64, grad's shape, any dense layout); True if a
+    term was out of range (it was clipped to the bound; the sum is then not to be used)."""
+    grad = grad.detach()
+    if grad.stride() != acc.stride():
+        grad = grad.contiguous(memory_format=memory_format(acc))
+    flat, target = memory_order(grad), memory_order(acc)
     bound = term_bound(shift)
     overflow = bool(flat.numel()) and not torch.linalg.vector_norm(flat, math.inf) <= bound
     scale = math.ldexp(1.0, shift)
@@ -83,9 +86,9 @@ def add_fixed(acc: torch.Tensor, grad: torch.Tensor, shift: int) -> bool:
 
 def mean_from_fixed(acc: torch.Tensor, shift: int, count: int, out: torch.Tensor) -> None:
     """out = acc * 2**-shift / count, each element rounded to out's dtype (every rank, every
-    world size: the same bits from the same sum)."""
-    flat_out = out.view(-1) if out.is_contiguous() else None
-    source = acc.view(-1)
+    world size: the same bits from the same sum); out and acc share one dense layout."""
+    flat_out = memory_order(out) if out.stride() == acc.stride() else None
+    source = memory_order(acc)
     scale = math.ldexp(1.0, -shift)
     piece = torch.empty(min(_PIECE, source.numel()), dtype=torch.float64, device=acc.device)
     result = []

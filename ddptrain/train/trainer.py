@@ -121,6 +121,8 @@ class Trainer:
         cfg = self.config
         # 1. Init: one seed everywhere, so every rank builds the same model and data order.
         cfg.check_world_size(info.world_size)
+        if cfg.deterministic:
+            build.pin_kernels(info.device)
         torch.manual_seed(cfg.seed)
         # 2. Data: even epochs (a map-style dataset), or each rank's own part (IterableDataset).
         train_set, eval_set = build.check_datasets(cfg, *self.build_datasets())
@@ -136,8 +138,10 @@ class Trainer:
         self.optimizer, self.scheduler = build.optimizer(cfg, self.configure_optimizers(module))
         build.check_plateau(self.scheduler, eval_set)
         self.scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
-        # Each rank draws its own dropout masks, reproducibly.
-        torch.manual_seed(cfg.seed + 1 + info.rank)
+        if not cfg.deterministic:
+            # Each rank draws its own dropout masks, reproducibly (deterministic: the wrapper
+            # keys them by step and micro-batch instead).
+            torch.manual_seed(cfg.seed + 1 + info.rank)
         # 6. Resume the optimizer, sampler and RNG states.
         if resume_state is not None:
             self.step, self._epoch_index = resume.apply_resume_state(
@@ -151,6 +155,8 @@ class Trainer:
                 model=self.model,
             )
         resumed = resume_state is not None
+        if cfg.deterministic:
+            build.exact_sums(self.model).step = self.step
         # Even epochs resume inside (or at the end of) the sampler's epoch; uneven ones at the
         # start of the epoch after the one their checkpoint completed.
         lockstep = self.epochs.lockstep
@@ -202,7 +208,7 @@ class Trainer:
         self.step += 1
         self._out.window.add(loss, len(batches) * self._per_rank_batch_size())
         if outcome == "nonfinite":
-            self._nonfinite.append((self.step, bool(torch.isfinite(loss))))
+            self._nonfinite.append((self.step, bool(torch.isfinite(loss).all())))
         if epoch.lockstep:
             self._after_step(epoch_done=epoch.complete, eval_set=eval_set)
         # Deferred: its gradients went to the others' reduction. Non-finite with "stop": every
@@ -216,7 +222,7 @@ class Trainer:
         times = self._out.window.times
         began = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.info.device)
+        losses = []
         micro = len(batches)
         for m, batch in enumerate(batches):
             mark = time.perf_counter()
@@ -224,11 +230,13 @@ class Trainer:
             now = time.perf_counter()
             times.add("data_s", now - mark)
             sync = m == micro - 1
-            total += self._micro_step(batch, micro, sync=sync)
+            losses.append(self._micro_step(batch, micro, sync=sync))
             # The wrapper timed its own wait for buckets: communication overlap did not hide.
             comm = self.model.last_comm_wait_s if sync else 0.0
             times.add("compute_s", max(0.0, time.perf_counter() - now - comm))
             times.add("comm_s", comm)
+        # Deterministic: the window averages every rank's micro-batch losses in their order.
+        total = torch.stack(losses) if self.config.deterministic else torch.stack(losses).sum()
         if epoch.deferred:
             return total, "deferred"
         mark = time.perf_counter()
@@ -247,7 +255,7 @@ class Trainer:
             return move_to(batch, self.info.device)
 
     def _per_rank_batch_size(self) -> int:
-        return self.config.micro_global_batch_size // self.info.world_size
+        return self.config.round_size(self.info.world_size) // self.info.world_size
 
     def _micro_step(self, batch: Any, micro: int, *, sync: bool) -> torch.Tensor:
         """Forward and backward one micro-batch; gradients are averaged only when `sync`."""
@@ -261,7 +269,8 @@ class Trainer:
                     f"training_step must return a scalar loss tensor, got {shape}; reduce it "
                     "with .mean() (or .sum() / batch size)"
                 )
-            scaled = loss / micro
+            # Deterministic: the wrapper divides the exact sum by the micro-batch count.
+            scaled = loss if self.config.deterministic else loss / micro
             if sync and self._boundary.enabled:
                 self._boundary.ride(self.model, self.epochs.lockstep)
             with profiling.mark("ddptrain.backward"):
@@ -351,6 +360,7 @@ class Trainer:
                 batch_size=self.config.eval_batch_size,
                 device=self.info.device,
                 autocast=self._autocast,
+                deterministic=self.config.deterministic,
             )
         self.config.check_best_metric(metrics)
         if metrics:
