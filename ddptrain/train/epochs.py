@@ -115,7 +115,7 @@ class UnevenEpochs:
         check_uneven_supported(cfg)
         self.cfg, self.info = cfg, info
         self.dataset = train_set
-        self.per_rank_batch_size = cfg.micro_global_batch_size // info.world_size
+        self.per_rank_batch_size = cfg.round_size(info.world_size) // info.world_size
         self._loader = DataLoader(
             train_set,
             batch_size=self.per_rank_batch_size,

@@ -157,11 +157,12 @@ def describe_run(
             f"ddptrain: launcher={info.launcher} world_size={info.world_size} "
             f"backend={info.backend} device={info.device} precision={cfg.precision}",
             f"  global_batch_size={cfg.global_batch_size} = {info.world_size} ranks x "
-            f"{per_rank} per rank x {accumulation} accumulation step(s)"
-            + (" (deterministic: the same bits at any world size)" if cfg.deterministic else ""),
+            f"{per_rank} per rank x {accumulation} accumulation step(s)",
             f"  {total_steps} optimizer steps ({epochs} of {epoch}{resumed})",
             f"  buckets (MiB, launch order): [{buckets}]",
         ]
+        + ["  deterministic: the same bits at any world size that divides the micro-batches"]
+        * cfg.deterministic
     )
 
 
