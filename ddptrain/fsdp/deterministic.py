@@ -25,14 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.ddp.exact import (
-    COUNT_BITS,
-    MicroBatchForwards,
-    add_fixed,
-    fixed_point_shift,
-    mean_from_fixed,
-)
+from ddptrain.ddp.exact import COUNT_BITS, add_fixed, fixed_point_shift, mean_from_fixed
 from ddptrain.ddp.hooks import global_rank, new_group_like, release_group
+from ddptrain.ddp.micro_batches import MicroBatchForwards
 from ddptrain.fsdp.unit import Unit, in_memory_order, reduce_scatter_single
 
 _TAIL = 2  # after the used flags: the micro-batch count, the overflows

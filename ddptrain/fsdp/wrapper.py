@@ -115,7 +115,6 @@ class FullyShardedDataParallel(nn.Module):
             )
             unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
         self._model_buffers = ModelBuffers(module, process_group)
-        # deterministic=True: gradients summed as integers (fsdp/deterministic.py).
         self.exact = ExactGradients(module, process_group) if deterministic else None
         self.require_backward_grad_sync = True
         self.last_comm_wait_s = 0.0
