@@ -39,6 +39,8 @@ HEADROOM_BITS = 16
 COUNT_BITS = 12
 # Bits of an int64 the magnitudes may use (one spare below the sign bit).
 _VALUE_BITS = 62
+# Integers a float64 holds exactly, sums of them included.
+FLOAT_EXACT = 2.0**53
 # Elements per piece converted at once: the scratch buffers stay in cache.
 _PIECE = 1 << 16
 
@@ -58,30 +60,70 @@ def term_bound(shift: int) -> float:
     return math.ldexp(1.0, _VALUE_BITS - COUNT_BITS - shift)
 
 
-def add_fixed(acc: torch.Tensor, grad: torch.Tensor, shift: int) -> bool:
-    """acc += round(grad * 2**shift) (acc: int64, grad's shape, any dense layout); True if a
-    term was out of range (it was clipped to the bound; the sum is then not to be used)."""
+def _flat_pair(acc: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad and acc as 1-D views with their elements in the same order (acc's layout)."""
     grad = grad.detach()
     if grad.stride() != acc.stride():
         grad = grad.contiguous(memory_format=memory_format(acc))
-    flat, target = memory_order(grad), memory_order(acc)
+    if acc.is_contiguous():
+        return grad.view(-1), acc.view(-1)
+    return memory_order(grad), memory_order(acc)
+
+
+def add_fixed(acc: torch.Tensor, grad: torch.Tensor, shift: int) -> torch.Tensor:
+    """acc += round(grad * 2**shift) (acc: int64, grad's shape, any dense layout). Returns a
+    0-dim bool tensor, True if a term was out of range: it was clipped to the bound and the sum
+    is not to be used (a tensor, so that an accelerator never waits for it)."""
+    flat, target = _flat_pair(acc, grad)
+    if not flat.numel():
+        return torch.zeros((), dtype=torch.bool, device=acc.device)
     bound = term_bound(shift)
-    overflow = bool(flat.numel()) and not torch.linalg.vector_norm(flat, math.inf) <= bound
+    lo, hi = torch.aminmax(flat)
+    # Written so that NaN counts as out of range.
+    overflow = torch.logical_not((lo >= -bound) & (hi <= bound))
+    scale = math.ldexp(1.0, shift)
+    limit = bound * scale
+    for start in range(0, flat.numel(), _PIECE):
+        # float64 holds every float32 times a power of two exactly; round half to even.
+        piece = flat[start : start + _PIECE].to(torch.float64)
+        piece.mul_(scale).clamp_(-limit, limit).round_()
+        target[start : start + piece.numel()].add_(piece.to(torch.int64))
+    return overflow
+
+
+def add_fixed_float(acc: torch.Tensor, grad: torch.Tensor, shift: int, room: float) -> float | None:
+    """acc += round(grad * 2**shift) with acc float64 holding integers, if every term's
+    magnitude is within `room` and the term bound; returns the largest, or None (acc left as
+    it was: add_fixed is the way then). The caller keeps every partial sum within FLOAT_EXACT,
+    so each add is exact and the sum independent of order, as in int64; on a CPU, float64's
+    conversions and adds cost about a third of int64's."""
+    flat, target = _flat_pair(acc, grad)
+    if not flat.numel():
+        return 0.0
+    lo, hi = (v.item() for v in torch.aminmax(flat))
+    peak = math.ldexp(max(-lo, hi), shift)
+    # Written so that NaN fails it.
+    if not (peak <= room and peak <= math.ldexp(term_bound(shift), shift)):
+        return None
     scale = math.ldexp(1.0, shift)
     scaled = torch.empty(min(_PIECE, flat.numel()), dtype=torch.float64, device=flat.device)
-    ints = torch.empty(scaled.numel(), dtype=torch.int64, device=flat.device)
     for start in range(0, flat.numel(), _PIECE):
         piece = flat[start : start + _PIECE]
-        n = piece.numel()
-        # float64 holds every float32 times a power of two exactly; round half to even.
-        s = scaled[:n]
-        s.copy_(piece).mul_(scale)
-        if overflow:
-            s.clamp_(-bound * scale, bound * scale)
-        s.round_()
-        ints[:n].copy_(s)
-        target[start : start + n].add_(ints[:n])
-    return overflow
+        s = scaled[: piece.numel()]
+        s.copy_(piece).mul_(scale).round_()
+        target[start : start + piece.numel()].add_(s)
+    return peak
+
+
+def float_to_fixed(acc: torch.Tensor) -> torch.Tensor:
+    """The int64 view of a float64 accumulator of integers (each |value| <= FLOAT_EXACT),
+    converted in place."""
+    flat = memory_order(acc)
+    ints = flat.view(torch.int64)
+    for start in range(0, flat.numel(), _PIECE):
+        piece = flat[start : start + _PIECE].to(torch.int64)
+        ints[start : start + piece.numel()].copy_(piece)
+    return acc.view(torch.int64)
 
 
 def mean_from_fixed(acc: torch.Tensor, shift: int, count: int, out: torch.Tensor) -> None:
@@ -117,7 +159,7 @@ def exact_norm(
     peak = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         if g.numel():
-            peak = torch.maximum(peak, torch.linalg.vector_norm(g.detach(), math.inf).double())
+            peak = torch.maximum(peak, g.detach().abs().amax().double())
     # NaN does not survive a MAX on every backend: as inf it does, and wins.
     peak = torch.nan_to_num(peak, nan=math.inf, posinf=math.inf)
     if sharded and dist.get_world_size(group) > 1:
@@ -171,8 +213,16 @@ class ExactReducer(Reducer):
         self.shifts: list[int] | None = None
         # Whether the last synchronized backward overflowed (its gradients are then inf).
         self.overflowed = False
-        self._overflows = 0
+        self._overflows = torch.zeros((), dtype=torch.int64)
         self._in_backward = False
+        # Per parameter: a bound on its slot's partial sums while the slot holds float64
+        # integers (add_fixed_float), None once it holds int64 (always on an accelerator).
+        self._float_sums: list[float | None] = []
+        self._reset_float_sums()
+
+    def _reset_float_sums(self) -> None:
+        on_cpu = not self.params or self.params[0].device.type == "cpu"
+        self._float_sums = [0.0 if on_cpu else None] * len(self.params)
 
     @property
     def step(self) -> int:
@@ -196,7 +246,7 @@ class ExactReducer(Reducer):
         super().use_hook(state, hook)
 
     def _tail_values(self) -> list[int]:
-        return [*self.used, self.micro_batches, self._overflows, self._carry_value]
+        return [*self.used, self.micro_batches, int(self._overflows), self._carry_value]
 
     def claim_slot(self, param: torch.Tensor) -> None:
         return None  # slots are integers: autograd never writes a gradient there
@@ -232,11 +282,28 @@ class ExactReducer(Reducer):
             self._launch_ready_buckets()
 
     def _accumulate(self, index: int) -> None:
-        param = self.params[index]
+        param, slot, shift = self.params[index], self._views[index], self.shifts[index]
         with span("ddptrain.fill bucket", self._bucket_of[index].index):
-            if add_fixed(self._views[index], param.grad, self.shifts[index]):
-                self._overflows += 1
+            bound = self._float_sums[index]
+            if bound is not None:
+                peak = add_fixed_float(
+                    slot.view(torch.float64), param.grad, shift, FLOAT_EXACT - bound
+                )
+                if peak is None:
+                    self._to_fixed(index)
+                else:
+                    self._float_sums[index] = bound + peak
+            if self._float_sums[index] is None:
+                overflow = add_fixed(slot, param.grad, shift)
+                self._overflows = self._overflows.to(overflow.device) + overflow
+            elif self.sync:
+                self._to_fixed(index)  # this rank's last term of the step: int64 for the sum
         param.grad = None
+
+    def _to_fixed(self, index: int) -> None:
+        if self._float_sums[index] is not None:
+            float_to_fixed(self._views[index].view(torch.float64))
+            self._float_sums[index] = None
 
     def _agree_grids(self) -> None:
         """End of the step's first backward: every rank takes rank 0's magnitudes (one
@@ -246,7 +313,7 @@ class ExactReducer(Reducer):
         if self.forwards.rank == 0:
             for i, p in enumerate(self.params):
                 if self.ready[i] and p.grad is not None and p.grad.numel():
-                    peaks[i] = torch.linalg.vector_norm(p.grad.detach(), math.inf).double()
+                    peaks[i] = p.grad.detach().abs().amax().double()
         if self.world_size > 1:
             dist.broadcast(peaks, global_rank(self.process_group, 0), group=self.process_group)
         self.shifts = [fixed_point_shift(v) for v in peaks.tolist()]
@@ -271,6 +338,7 @@ class ExactReducer(Reducer):
                         self._bucket_of[i].arrived()
             for i, ready in enumerate(self.ready):
                 if not ready:
+                    self._to_fixed(i)
                     self._bucket_of[i].arrived()
             self._launch_ready_buckets()
             started = time.perf_counter()
@@ -298,5 +366,7 @@ class ExactReducer(Reducer):
             raise
         finally:
             self._reset_step()
-            self.shifts, self._in_backward, self._overflows = None, False, 0
+            self.shifts, self._in_backward = None, False
+            self._overflows = torch.zeros((), dtype=torch.int64)
+            self._reset_float_sums()
             self.micro_batches = 0

@@ -44,10 +44,12 @@ class ExactGradients:
         self._group = new_group_like(group)
         self.micro_batches = 0
         self.count = 0
+        # Whether the last step's sums overflowed (its gradients are then inf).
+        self.overflowed = False
         self._shifts: dict[int, list[int]] = {}
         self._acc: dict[int, torch.Tensor] = {}
         self._used: dict[int, list[bool]] = {}
-        self._overflows: dict[int, int] = {}
+        self._overflows: dict[int, torch.Tensor | int] = {}
         self._received: dict[int, tuple[Any, torch.Tensor]] = {}
 
     @property
@@ -61,6 +63,8 @@ class ExactGradients:
 
     def backward_started(self) -> None:
         """One more micro-batch: a backward begins (under no_sync() or not)."""
+        if self.micro_batches == 0:
+            self.overflowed = False
         self.micro_batches += 1
 
     def accumulate(self, unit: Unit) -> None:
@@ -81,8 +85,8 @@ class ExactGradients:
             flat = in_memory_order(full.grad, unit.strides[j])
             for rank in range(ws):
                 _, a, b, at = unit.all_pieces[rank][j]
-                if add_fixed(parts[rank, at : at + b - a], flat[a:b], shifts[j]):
-                    self._overflows[key] += 1
+                overflow = add_fixed(parts[rank, at : at + b - a], flat[a:b], shifts[j])
+                self._overflows[key] = overflow + self._overflows[key]
             full.grad = None
 
     def _agree(self, unit: Unit) -> list[int]:
@@ -91,7 +95,7 @@ class ExactGradients:
         if self.forwards.rank == 0:
             for j, full in enumerate(unit.full):
                 if full.grad is not None and full.grad.numel():
-                    peaks[j] = torch.linalg.vector_norm(full.grad.detach(), math.inf).double()
+                    peaks[j] = full.grad.detach().abs().amax().double()
         if self.world_size > 1:
             dist.broadcast(peaks, global_rank(self._group, 0), group=self._group)
         return [fixed_point_shift(v) for v in peaks.tolist()]
@@ -101,7 +105,7 @@ class ExactGradients:
         key = id(unit)
         parts = self._acc.pop(key)
         n = len(unit.full)
-        tail = [*map(int, self._used.pop(key)), self.micro_batches, self._overflows.pop(key)]
+        tail = [*map(int, self._used.pop(key)), self.micro_batches, int(self._overflows.pop(key))]
         parts[:, -n - _TAIL :] = torch.tensor(tail, dtype=torch.int64)
         receive = torch.empty(parts.shape[1], dtype=torch.int64, device=unit.device)
         work = reduce_scatter_single(
@@ -118,6 +122,7 @@ class ExactGradients:
         *flags, count, overflows = receive[unit.layout.shard_numel :].tolist()
         self.count = count
         overflowed = bool(overflows) or count > 2**COUNT_BITS
+        self.overflowed = self.overflowed or overflowed
         for j, (piece, shard_param) in enumerate(zip(unit.pieces, unit.shards, strict=True)):
             if not (flags[j] and shard_param.requires_grad):
                 continue

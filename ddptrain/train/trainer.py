@@ -37,13 +37,12 @@ from torch.utils.data import Dataset
 
 from ddptrain import profiling
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
-from ddptrain.train import build, health, preempt
+from ddptrain.train import build, gradients, health, preempt
 from ddptrain.train.checkpoint import resume
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.epochs import make_epochs
 from ddptrain.train.evaluation import evaluate, move_to
-from ddptrain.train.gradients import autocast, optimizer_step
-from ddptrain.train.health import NonFiniteError
+from ddptrain.train.gradients import NonFiniteError, autocast, optimizer_step
 from ddptrain.train.output import RunOutput, describe_run
 
 __all__ = ["NonFiniteError", "Preempted", "Trainer"]
@@ -208,7 +207,8 @@ class Trainer:
         self.step += 1
         self._out.window.add(loss, len(batches) * self._per_rank_batch_size())
         if outcome == "nonfinite":
-            self._nonfinite.append((self.step, bool(torch.isfinite(loss).all())))
+            overflowed = self.config.deterministic and build.exact_sums(self.model).overflowed
+            self._nonfinite.append((self.step, bool(torch.isfinite(loss).all()), overflowed))
         if epoch.lockstep:
             self._after_step(epoch_done=epoch.complete, eval_set=eval_set)
         # Deferred: its gradients went to the others' reduction. Non-finite with "stop": every
@@ -310,7 +310,7 @@ class Trainer:
         every rank saw the same averaged gradients."""
         if self._nonfinite or not self.epochs.lockstep:
             cfg = self.config
-            health.report_nonfinite_steps(self._nonfinite, cfg.nonfinite, cfg.checkpoint_dir)
+            gradients.report_nonfinite_steps(self._nonfinite, cfg.nonfinite, cfg.checkpoint_dir)
             self._nonfinite = []
 
     def _maybe_evaluate(self, eval_set: Dataset | None, epoch_done: bool) -> None:
@@ -394,5 +394,5 @@ class Trainer:
 
     def _open_logs(self, resumed: bool) -> None:
         # (step, whether this rank's loss was finite) of steps skipped for non-finite gradients.
-        self._nonfinite: list[tuple[int, bool]] = []
+        self._nonfinite: list[tuple[int, bool, bool]] = []
         self._out = RunOutput(self.config, self.info, self.total_steps, self.step, resumed)

@@ -77,6 +77,32 @@ def test_a_term_beyond_the_bound_overflows_and_is_reported():
     assert exact.add_fixed(acc, torch.tensor([0.0, math.nan, 0.0, 0.0]), shift)
 
 
+def test_float64_accumulators_give_the_int64_sums_and_refuse_what_they_cannot_hold():
+    """add_fixed_float then float_to_fixed gives add_fixed's integers bitwise (a channels_last
+    accumulator too); a term beyond the room it is given, or a NaN, leaves the accumulator as
+    it was and returns None."""
+    terms = _terms(n=6, numel=2 * 3 * 5 * 7 * 11)
+    shift = exact.fixed_point_shift(max(t.abs().max().item() for t in terms))
+    for shape, fmt in (((-1,), torch.contiguous_format), ((6, 5, 7, 11), torch.channels_last)):
+        ints = torch.zeros(shape if shape != (-1,) else (terms[0].numel(),), dtype=torch.int64)
+        ints = ints.contiguous(memory_format=fmt)
+        floats = torch.zeros_like(ints, dtype=torch.float64)
+        bound = 0.0
+        for t in terms:
+            t = t.view(ints.shape)
+            assert not exact.add_fixed(ints, t, shift)
+            peak = exact.add_fixed_float(floats, t, shift, exact.FLOAT_EXACT - bound)
+            assert peak is not None and peak > 0
+            bound += peak
+        assert torch.equal(exact.float_to_fixed(floats), ints)
+    acc = torch.zeros(4, dtype=torch.float64)
+    big = torch.full((4,), 3.0)
+    assert exact.add_fixed_float(acc, big, 10, room=3.0 * 2**10) == 3.0 * 2**10
+    assert exact.add_fixed_float(acc, big, 10, room=3.0 * 2**10 - 1) is None
+    assert exact.add_fixed_float(acc, torch.tensor([0.0, math.nan, 0, 0]), 10, 2.0**53) is None
+    assert torch.equal(acc, torch.full((4,), 3.0 * 2**10, dtype=torch.float64))
+
+
 def test_exact_norm_is_the_same_bits_however_the_gradient_is_split():
     """The norm of one gradient cut into pieces of any sizes, in any order, is bitwise the
     same, and within 1e-6 of the float64 norm; inf and NaN give inf."""

@@ -21,8 +21,10 @@ import ddptrain
 from ddptrain.data import MicroBatchSampler
 from ddptrain.models import LeNet
 from ddptrain.train.config import ConfigError, TrainerConfig
+from ddptrain.train.gradients import NonFiniteError
 from ddptrain.train.trainer import Trainer
 from support import worlds
+from support.doc_blocks import python_block
 
 WORLD_TIMEOUT_S = 540
 pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
@@ -127,8 +129,36 @@ def _case_stages(info) -> dict:
     return {stage: _loop(info, "lenet", stage=stage) for stage in (1, 2, 3)}
 
 
+def _case_guide_loop(info) -> str:
+    """The guide's own-loop example, run as written on 192 samples (two steps)."""
+    import contextlib
+
+    from torch.utils.data import DataLoader
+
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(192, 1, 28, 28, generator=g), torch.randint(0, 10, (192,), generator=g)
+    torch.manual_seed(0)
+    net = LeNet(dropout=0.3, width=1, batchnorm=True)
+    scope = {
+        "contextlib": contextlib,
+        "torch": torch,
+        "F": F,
+        "DataLoader": DataLoader,
+        "ddptrain": ddptrain,
+        "net": net,
+        "dataset": TensorDataset(x, y),
+        "opt": torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+        "rank": info.rank,
+        "world_size": info.world_size,
+    }
+    exec(python_block("docs/guide.md", "ddptrain.DDP(net, deterministic=True)"), scope)
+    state = net.state_dict()
+    return _digest([state[k] for k in sorted(state)])
+
+
 CASES = {
     "lenet": _case_lenet,
+    "guide_loop": _case_guide_loop,
     "tied_branch": _case_tied_branch,
     "float_sums": _case_float_sums,
     "stages": _case_stages,
@@ -137,7 +167,7 @@ BY_WORLD = {
     1: list(CASES),
     2: ["lenet", "tied_branch"],
     3: list(CASES),
-    4: ["lenet", "tied_branch"],
+    4: ["lenet", "tied_branch", "guide_loop"],
 }
 world = worlds.fixture(CASES, BY_WORLD, timeout_s=WORLD_TIMEOUT_S)
 
@@ -153,6 +183,13 @@ def test_the_users_loop_ends_on_the_same_bits_at_world_sizes_1_to_4(world, kind)
     assert len(set.union(*digests.values())) == 1, digests
     if kind == "tied_branch":
         assert all(r["never_used_grad"] is None for r in worlds.outcome(world(3), kind))
+
+
+def test_the_guides_own_loop_ends_on_the_same_bits_at_world_sizes_1_3_4(world):
+    """The guide's example loop (MicroBatchSampler, no_sync(), the undivided loss) ends on
+    the same LeNet bits at world sizes 1, 3 and 4."""
+    digests = {r for ws in (1, 3, 4) for r in worlds.outcome(world(ws), "guide_loop")}
+    assert len(digests) == 1, digests
 
 
 def test_the_float_reduction_changes_with_the_world_size(world):
@@ -258,6 +295,30 @@ def test_the_trainer_resumed_at_4_then_3_then_2_ranks_equals_a_straight_run(tmp_
     assert got["eval"] == expected["eval"]
     # The chain's log holds each piece's records: the same steps, the same losses.
     assert dict(got["losses"]) == dict(expected["losses"])
+
+
+class _Spiking(_Trainer):
+    """Every micro-batch but a step's first has its loss scaled by 10**7."""
+
+    def training_step(self, model, batch):
+        self.calls = getattr(self, "calls", 0) + 1
+        first = (self.calls - 1) % (self.config.global_batch_size // self.config.micro_batch_size)
+        return super().training_step(model, batch) * (1.0 if first == 0 else 1e7)
+
+
+def _overflow_message(root: str) -> str:
+    try:
+        _Spiking(_config(root, grad_clip_norm=None)).fit()
+    except NonFiniteError as e:
+        return str(e)
+    return "no NonFiniteError"
+
+
+def test_an_overflowing_exact_sum_stops_the_step_and_says_why(tmp_path):
+    """A micro-batch gradient beyond the fixed-point range stops the run before the optimizer
+    step with one message naming the overflow, not a bare 'non-finite gradients'."""
+    message = ddptrain.spawn(_overflow_message, 1, str(tmp_path), timeout_s=WORLD_TIMEOUT_S)[0]
+    assert "step 1: non-finite gradients (the exact sums overflowed" in message, message
 
 
 # ------------------------------------------------------------------------------ no processes
