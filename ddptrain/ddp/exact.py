@@ -41,8 +41,9 @@ COUNT_BITS = 12
 _VALUE_BITS = 62
 # Integers a float64 holds exactly, sums of them included.
 FLOAT_EXACT = 2.0**53
-# Elements per piece converted at once: the scratch buffers stay in cache.
-_PIECE = 1 << 16
+# Elements per piece converted at once: its float64 scratch (2 MiB) stays in cache, and each
+# operation on it is long enough that its dispatch costs little.
+_PIECE = 1 << 18
 
 
 def fixed_point_shift(reference: float) -> int:
@@ -70,10 +71,13 @@ def _flat_pair(acc: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, tor
     return memory_order(grad), memory_order(acc)
 
 
-def add_fixed(acc: torch.Tensor, grad: torch.Tensor, shift: int) -> torch.Tensor:
-    """acc += round(grad * 2**shift) (acc: int64, grad's shape, any dense layout). Returns a
-    0-dim bool tensor, True if a term was out of range: it was clipped to the bound and the sum
-    is not to be used (a tensor, so that an accelerator never waits for it)."""
+def add_fixed(
+    acc: torch.Tensor, grad: torch.Tensor, shift: int, *, first: bool = False
+) -> torch.Tensor:
+    """acc += round(grad * 2**shift) (acc: int64, grad's shape, any dense layout; `first`:
+    acc = ..., whatever it held). Returns a 0-dim bool tensor, True if a term was out of
+    range: it was clipped to the bound and the sum is not to be used (a tensor, so that an
+    accelerator never waits for it)."""
     flat, target = _flat_pair(acc, grad)
     if not flat.numel():
         return torch.zeros((), dtype=torch.bool, device=acc.device)
@@ -87,16 +91,29 @@ def add_fixed(acc: torch.Tensor, grad: torch.Tensor, shift: int) -> torch.Tensor
         # float64 holds every float32 times a power of two exactly; round half to even.
         piece = flat[start : start + _PIECE].to(torch.float64)
         piece.mul_(scale).clamp_(-limit, limit).round_()
-        target[start : start + piece.numel()].add_(piece.to(torch.int64))
+        out = target[start : start + piece.numel()]
+        if first:
+            out.copy_(piece)
+        else:
+            out.add_(piece.to(torch.int64))
     return overflow
 
 
-def add_fixed_float(acc: torch.Tensor, grad: torch.Tensor, shift: int, room: float) -> float | None:
+def add_fixed_float(
+    acc: torch.Tensor,
+    grad: torch.Tensor,
+    shift: int,
+    room: float,
+    *,
+    first: bool = False,
+    last: bool = False,
+) -> float | None:
     """acc += round(grad * 2**shift) with acc float64 holding integers, if every term's
     magnitude is within `room` and the term bound; returns the largest, or None (acc left as
     it was: add_fixed is the way then). The caller keeps every partial sum within FLOAT_EXACT,
     so each add is exact and the sum independent of order, as in int64; on a CPU, float64's
-    conversions and adds cost about a third of int64's."""
+    conversions and adds cost about a third of int64's. `first`: acc = ..., whatever it held;
+    `last`: the sum is written as int64 into acc's memory (float_to_fixed's result)."""
     flat, target = _flat_pair(acc, grad)
     if not flat.numel():
         return 0.0
@@ -106,12 +123,19 @@ def add_fixed_float(acc: torch.Tensor, grad: torch.Tensor, shift: int, room: flo
     if not (peak <= room and peak <= math.ldexp(term_bound(shift), shift)):
         return None
     scale = math.ldexp(1.0, shift)
+    ints = target.view(torch.int64)
     scaled = torch.empty(min(_PIECE, flat.numel()), dtype=torch.float64, device=flat.device)
     for start in range(0, flat.numel(), _PIECE):
         piece = flat[start : start + _PIECE]
-        s = scaled[: piece.numel()]
+        n = piece.numel()
+        s = scaled[:n]
         s.copy_(piece).mul_(scale).round_()
-        target[start : start + piece.numel()].add_(s)
+        if last:
+            ints[start : start + n].copy_(s if first else s.add_(target[start : start + n]))
+        elif first:
+            target[start : start + n].copy_(s)
+        else:
+            target[start : start + n].add_(s)
     return peak
 
 
@@ -221,8 +245,10 @@ class ExactReducer(Reducer):
         self._reset_float_sums()
 
     def _reset_float_sums(self) -> None:
+        """A new step: every slot is written by its first term, in float64 on a CPU."""
         on_cpu = not self.params or self.params[0].device.type == "cpu"
         self._float_sums = [0.0 if on_cpu else None] * len(self.params)
+        self._written = [False] * len(self.params)
 
     @property
     def step(self) -> int:
@@ -283,21 +309,27 @@ class ExactReducer(Reducer):
 
     def _accumulate(self, index: int) -> None:
         param, slot, shift = self.params[index], self._views[index], self.shifts[index]
+        first, self._written[index] = not self._written[index], True
         with span("ddptrain.fill bucket", self._bucket_of[index].index):
             bound = self._float_sums[index]
             if bound is not None:
+                # The sync backward holds this rank's last term of the step: int64 for the sum.
                 peak = add_fixed_float(
-                    slot.view(torch.float64), param.grad, shift, FLOAT_EXACT - bound
+                    slot.view(torch.float64),
+                    param.grad,
+                    shift,
+                    FLOAT_EXACT - bound,
+                    first=first,
+                    last=self.sync,
                 )
-                if peak is None:
+                if peak is None and not first:
                     self._to_fixed(index)
-                else:
-                    self._float_sums[index] = bound + peak
-            if self._float_sums[index] is None:
-                overflow = add_fixed(slot, param.grad, shift)
-                self._overflows = self._overflows.to(overflow.device) + overflow
-            elif self.sync:
-                self._to_fixed(index)  # this rank's last term of the step: int64 for the sum
+                self._float_sums[index] = None if peak is None or self.sync else bound + peak
+                if peak is not None:
+                    param.grad = None
+                    return
+            overflow = add_fixed(slot, param.grad, shift, first=first)
+            self._overflows = self._overflows.to(overflow.device) + overflow
         param.grad = None
 
     def _to_fixed(self, index: int) -> None:
@@ -338,7 +370,10 @@ class ExactReducer(Reducer):
                         self._bucket_of[i].arrived()
             for i, ready in enumerate(self.ready):
                 if not ready:
-                    self._to_fixed(i)
+                    if self._written[i]:
+                        self._to_fixed(i)
+                    else:
+                        self._views[i].zero_()  # no micro-batch of this rank reached it
                     self._bucket_of[i].arrived()
             self._launch_ready_buckets()
             started = time.perf_counter()
@@ -357,8 +392,6 @@ class ExactReducer(Reducer):
                         p.grad.fill_(math.inf)
                     else:
                         mean_from_fixed(self._views[index], self.shifts[index], count, p.grad)
-            for bucket in self.buckets:
-                bucket.flat.zero_()
             if self._ready_order is not None:
                 self._rebuild_in_ready_order()
         except BaseException:
