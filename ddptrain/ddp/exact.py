@@ -109,11 +109,14 @@ def add_fixed_float(
     last: bool = False,
 ) -> float | None:
     """acc += round(grad * 2**shift) with acc float64 holding integers, if every term's
-    magnitude is within `room` and the term bound; returns the largest, or None (acc left as
-    it was: add_fixed is the way then). The caller keeps every partial sum within FLOAT_EXACT,
-    so each add is exact and the sum independent of order, as in int64; on a CPU, float64's
-    conversions and adds cost about a third of int64's. `first`: acc = ..., whatever it held;
-    `last`: the sum is written as int64 into acc's memory (float_to_fixed's result)."""
+    magnitude is within `room` and the term bound; returns the largest, or None (acc and grad
+    left as they were: add_fixed is the way then). The caller keeps every partial sum within
+    FLOAT_EXACT, so each add is exact and the sum independent of order, as in int64; on a CPU,
+    float64's conversions and adds cost about a third of int64's. `first`: acc = ..., whatever
+    it held; `last`: the sum is written as int64 into acc's memory (float_to_fixed's result).
+    grad (float32 or float64) is consumed: it is scaled and rounded in place, no scratch."""
+    if grad.dtype not in (torch.float32, torch.float64) or not -126 <= shift <= 127:
+        return None  # a power of two outside float32's range: add_fixed works in float64
     flat, target = _flat_pair(acc, grad)
     if not flat.numel():
         return 0.0
@@ -124,18 +127,17 @@ def add_fixed_float(
         return None
     scale = math.ldexp(1.0, shift)
     ints = target.view(torch.int64)
-    scaled = torch.empty(min(_PIECE, flat.numel()), dtype=torch.float64, device=flat.device)
     for start in range(0, flat.numel(), _PIECE):
-        piece = flat[start : start + _PIECE]
+        # A float32 times a power of two it can hold is exact; round half to even.
+        piece = flat[start : start + _PIECE].mul_(scale).round_()
         n = piece.numel()
-        s = scaled[:n]
-        s.copy_(piece).mul_(scale).round_()
-        if last:
-            ints[start : start + n].copy_(s if first else s.add_(target[start : start + n]))
-        elif first:
-            target[start : start + n].copy_(s)
+        if first:
+            target[start : start + n].copy_(piece)
         else:
-            target[start : start + n].add_(s)
+            target[start : start + n].add_(piece)
+        if last:
+            # Same-size elements: each is read before it is overwritten in place.
+            ints[start : start + n].copy_(target[start : start + n])
     return peak
 
 
@@ -143,10 +145,8 @@ def float_to_fixed(acc: torch.Tensor) -> torch.Tensor:
     """The int64 view of a float64 accumulator of integers (each |value| <= FLOAT_EXACT),
     converted in place."""
     flat = memory_order(acc)
-    ints = flat.view(torch.int64)
-    for start in range(0, flat.numel(), _PIECE):
-        piece = flat[start : start + _PIECE].to(torch.int64)
-        ints[start : start + piece.numel()].copy_(piece)
+    # Same-size elements: each is read before it is overwritten.
+    flat.view(torch.int64).copy_(flat)
     return acc.view(torch.int64)
 
 
