@@ -37,6 +37,7 @@ def _one_host_transport() -> str:
     return "shared_memory" if os.access("/dev/shm", os.W_OK) else "tcp"
 
 
+@pytest.mark.slow
 def test_under_torchrun_rank_0_writes_every_variant(tmp_path):
     """torchrun --standalone x 2 runs the bench in its own ranks: one JSON, every variant, both
     ranks on one host, launcher and bucket transport recorded."""
@@ -129,6 +130,7 @@ def test_two_hosts_reduce_over_tcp_and_leave_no_namespace(root_and_netns, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bench.json"]
 
 
+@pytest.mark.slow
 def test_two_hosts_over_a_shaped_link_record_the_shaping_and_its_measure(root_and_netns, tmp_path):
     """--link 100mbit: tbf on both veth ends, a probe no faster than the rate allows (its
     76 KiB burst adds at most 1.6% to the probe's 5 MB; a loaded machine is only slower), and
