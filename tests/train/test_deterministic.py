@@ -321,6 +321,24 @@ def test_an_overflowing_exact_sum_stops_the_step_and_says_why(tmp_path):
     assert "step 1: non-finite gradients (the exact sums overflowed" in message, message
 
 
+def _one_sided_gradient() -> dict:
+    """One backward whose gradient is negative everywhere, from -2**30 to -1."""
+    ddptrain.init_distributed()
+    net = nn.Linear(4, 1, bias=False)
+    model = ddptrain.DDP(net, deterministic=True)
+    x = torch.tensor([[1.0, 2.0**10, 2.0**20, 2.0**30]])
+    model(x).sum().neg().backward()
+    return {"grad": net.weight.grad, "expected": -x}
+
+
+def test_a_gradient_of_one_sign_keeps_its_exact_mean():
+    """The grid is set by the gradient's largest magnitude on either side: an all-negative
+    gradient (its maximum -1, its magnitude 2**30, past the grid's headroom over 1) comes back
+    exactly, not clipped or flagged as an overflow."""
+    result = ddptrain.spawn(_one_sided_gradient, 1, timeout_s=WORLD_TIMEOUT_S)[0]
+    assert torch.equal(result["grad"], result["expected"]), result
+
+
 # ------------------------------------------------------------------------------ no processes
 def test_micro_batch_k_holds_the_same_samples_at_every_world_size():
     """MicroBatchSampler: rank r's j-th micro-batch of a step is micro-batch j * W + r, the
