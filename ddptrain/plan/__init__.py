@@ -23,7 +23,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddptrain.plan.calibrate import background_threads, local_link, usable_cores
+from ddptrain.netns import HostsUnavailable
+from ddptrain.plan.calibrate import (
+    background_threads,
+    local_link,
+    measured_shaped_link,
+    usable_cores,
+)
 from ddptrain.plan.links import NAMED, Link, LocalLink, ShapedLink, named_link, shaped_link
 from ddptrain.plan.predict import (
     Prediction,
@@ -80,7 +86,11 @@ def resolve_link(name: str, world_sizes: list[int]) -> Link:
         return local_link(on_host or [1, 2])
     if name in NAMED:
         return named_link(name)
-    return shaped_link(name, local_link([1, 2]))
+    try:
+        return measured_shaped_link(name)
+    except HostsUnavailable:
+        # Not root here: the rate's formula (links.ShapedLink) over the measured loopback CPU.
+        return shaped_link(name, local_link([1, 2]))
 
 
 def memory_per_rank(link: Link, world_size: int) -> int | None:

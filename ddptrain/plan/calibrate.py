@@ -1,18 +1,21 @@
-"""This machine's link, measured: the collectives the wrappers issue, per world size and size.
+"""The links this machine can reach, measured: the collectives the wrappers issue, per size.
 
-    link = local_link()                          # cached in ~/.cache/ddptrain, else measured
-    link = calibrate(world_sizes=[1, 2, 3, 4])   # measure now (tens of seconds)
+    link = local_link([1, 2, 3, 4])     # one host: cached in ~/.cache/ddptrain, else measured
+    link = measured_shaped_link("1gbit")  # two network namespaces joined by a shaped veth (root)
+    busy = background_threads()         # other programs' busy threads on the cores, now
 
-Each world size gets one spawned world that times, from a barrier, every operation at every
-size (median of REPEATS of the CPU seconds of every thread of the process, the busiest rank),
-as the wrappers run them: "reduce" is the shared
-memory transport's (cpu/shm.py) on a bucket it allocated, "reduce_tcp" the TCP transport's
-(cpu/tcp.py, the default across hosts, here over loopback), "all_gather" gloo's into a freshly
-allocated output (the sharded wrapper gathers each unit into memory it just mapped),
-"reduce_scatter" and "broadcast" gloo's. One process also times a pass over fresh and over
-mapped memory (the sharded wrapper's packing). glibc returns freed blocks at once, as in
---check. The cache is keyed by host name, CPU model, core count and torch version; delete the
-file, or pass --calibrate, to measure again.
+One host: each world size gets one spawned world that times, from a barrier, every operation at
+every size (median of REPEATS; the CPU seconds of every thread of the process, and the wall
+seconds, of the busiest rank), as the wrappers run them: "reduce" is the shared-memory
+transport's (cpu/shm.py) on a bucket it allocated, "reduce_tcp" the TCP transport's (cpu/tcp.py,
+the default across hosts; here over loopback), "all_gather" gloo's into a freshly allocated
+output (the sharded wrapper gathers each unit into memory it just mapped), "reduce_scatter" and
+"broadcast" gloo's. One process also times a pass over fresh and over mapped memory (the
+sharded wrapper's packing). Two hosts: the same at world size 2, one rank in each namespace,
+the veth shaped as `python -m ddptrain.bench --two-hosts --link RATE` shapes it (bench/link.py),
+sizes up to what the link carries in about a second. glibc returns freed blocks at once, as in
+--check. The cache is keyed by host name, CPU model, core count and torch version; delete it,
+or pass refresh=True, to measure again.
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ import torch.distributed as dist
 
 import ddptrain
 from ddptrain.bench.memory import return_freed_memory
-from ddptrain.plan.links import LocalLink
+from ddptrain.plan.links import LocalLink, ShapedLink, rate_bits
 
 SIZES = (4 << 10, 256 << 10, 2 << 20, 8 << 20, 32 << 20)
 REPEATS = 5
-CACHE = Path.home() / ".cache" / "ddptrain" / "plan-local-link.json"
-CALIBRATION_VERSION = 2
+CACHE = Path.home() / ".cache" / "ddptrain" / "plan-links.json"
+CALIBRATION_VERSION = 3
+# A shaped link is measured up to the size it carries in about this long.
+SHAPED_SECONDS = 0.8
 
 
 def machine_key() -> str:
@@ -60,23 +65,99 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _cached(name: str) -> dict[str, Any] | None:
+    if not CACHE.exists():
+        return None
+    entry = json.loads(CACHE.read_text()).get(name)
+    if entry and entry.get("machine_key") == machine_key():
+        if entry.get("version") == CALIBRATION_VERSION:
+            return entry
+    return None
+
+
+def _store(name: str, entry: dict[str, Any]) -> None:
+    CACHE.parent.mkdir(parents=True, exist_ok=True)
+    everything = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+    everything[name] = {**entry, "machine_key": machine_key(), "version": CALIBRATION_VERSION}
+    CACHE.write_text(json.dumps(everything))
+
+
 def local_link(world_sizes: list[int] | None = None, refresh: bool = False) -> LocalLink:
     """This machine's link: from the cache when it holds every world size asked, else measured
     (and cached)."""
     wanted = sorted(set(world_sizes or [1, 2]) | {1, 2})
-    key = machine_key()
-    if not refresh and CACHE.exists():
-        cached = json.loads(CACHE.read_text())
-        if cached.get("machine_key") == key and cached.get("version") == CALIBRATION_VERSION:
-            link = LocalLink.from_dict(cached)
-            if all(w in link.table["reduce"] for w in wanted):
-                return link
+    cached = None if refresh else _cached("local")
+    if cached is not None:
+        link = LocalLink.from_dict(cached)
+        if all(w in link.table["reduce"] for w in wanted):
+            return link
     link = calibrate(wanted)
-    CACHE.parent.mkdir(parents=True, exist_ok=True)
-    CACHE.write_text(
-        json.dumps({**link.as_dict(), "machine_key": key, "version": CALIBRATION_VERSION})
-    )
+    _store("local", link.as_dict())
     return link
+
+
+def measured_shaped_link(rate: str, refresh: bool = False) -> ShapedLink:
+    """Two hosts of this machine joined by a link shaped to `rate`, its collectives measured
+    at world size 2 (cached)."""
+    name = f"shaped:{rate}"
+    cached = None if refresh else _cached(name)
+    local = local_link([1, 2])
+    if cached is None:
+        cached = _calibrate_two_hosts(rate)
+        _store(name, cached)
+    table = {op: [tuple(p) for p in pts] for op, pts in cached["cpu"].items()}
+    walls = {op: [tuple(p) for p in pts] for op, pts in cached["wall"].items()}
+    return ShapedLink(
+        rate_bits(rate),
+        cached["round_trip_s"] / 2,
+        local,
+        name=rate,
+        description=f"two hosts, tc tbf {rate}",
+        cpu_table=table,
+        wall_table=walls,
+        source=cached["source"],
+    )
+
+
+def _calibrate_two_hosts(rate: str) -> dict[str, Any]:
+    import tempfile
+
+    from ddptrain.bench import link as bench_link
+    from ddptrain.bench.hosts import run_launchers, terminate_as_exit
+    from ddptrain.netns import torchrun, two_hosts
+
+    largest = rate_bits(rate) / 8 * SHAPED_SECONDS
+    sizes = [s for s in SIZES if s <= max(largest, SIZES[1])]
+    with tempfile.TemporaryDirectory(prefix="ddptrain-plan-link-") as out:
+        args = ["-m", "ddptrain.plan.calibrate", "--out", out]
+        args += ["--sizes", ",".join(map(str, sizes))]
+        with terminate_as_exit(), two_hosts("ddpc") as (a, b):
+            shaping = bench_link.shape_link(a, b, rate)
+            rdzv = f"ddptrain-plan-link-{os.getpid()}"
+            commands = [
+                torchrun(h, a, nnodes=2, nproc_per_node=1, rdzv_id=rdzv, args=args) for h in (a, b)
+            ]
+            run_launchers(commands, [h.env() for h in (a, b)], 1800)
+        ranks = json.loads((Path(out) / "calibration.json").read_text())
+    cpu, wall = _busiest(ranks, "ops"), _busiest(ranks, "wall")
+    probe = shaping["probe"]
+    return {
+        "cpu": cpu,
+        "wall": wall,
+        "round_trip_s": probe["round_trip_us"] * 1e-6,
+        "source": f"measured {time.strftime('%Y-%m-%d %H:%M')} over two namespaces, tc tbf "
+        f"{rate}; probe {probe['mbit_per_s']:.0f} Mbit/s",
+    }
+
+
+def _busiest(ranks: list[dict[str, Any]], key: str) -> dict[str, list[tuple[int, float]]]:
+    """Per operation, (bytes, seconds) of the rank that took longest at each size."""
+    out = {}
+    for op, points in ranks[0][key].items():
+        out[op] = [
+            (size, max(r[key][op][i][1] for r in ranks)) for i, (size, _) in enumerate(points)
+        ]
+    return out
 
 
 def calibrate(world_sizes: list[int]) -> LocalLink:
@@ -84,12 +165,9 @@ def calibrate(world_sizes: list[int]) -> LocalLink:
     table: dict[str, dict[int, list[tuple[int, float]]]] = {}
     load = os.getloadavg()[0]
     for ws in world_sizes:
-        per_rank = ddptrain.spawn(_measure, ws, list(SIZES), timeout_s=900)
-        for op in per_rank[0]["ops"]:
-            rows = [r["ops"][op] for r in per_rank]
-            table.setdefault(op, {})[ws] = [
-                (size, max(row[i][1] for row in rows)) for i, (size, _) in enumerate(rows[0])
-            ]
+        per_rank = ddptrain.spawn(_measure_rank, ws, list(SIZES), timeout_s=900)
+        for op, points in _busiest(per_rank, "ops").items():
+            table.setdefault(op, {})[ws] = points
     fresh, mapped = ddptrain.spawn(_passes, 1, timeout_s=300)[0]
     source = (
         f"measured {time.strftime('%Y-%m-%d %H:%M')} on {machine_key()}, load before "
@@ -124,7 +202,8 @@ def _measure(sizes: list[int]) -> dict[str, Any]:
     return_freed_memory()
     info = ddptrain.init_distributed()
     ws = info.world_size
-    shm = SharedMemory() if ws > 1 else None
+    # Across hosts there is no shared memory: only the TCP transport and gloo are measured.
+    shm = SharedMemory() if ws > 1 and SharedMemory.available() else None
     tcp = Socket() if ws > 1 else None
     ops: dict[str, list[tuple[int, float]]] = {}
     walls: dict[str, list[tuple[int, float]]] = {}
@@ -137,8 +216,14 @@ def _measure(sizes: list[int]) -> dict[str, Any]:
     if ws == 1:
         ops["reduce"] = [(s, 0.0) for s, _ in ops["broadcast"]]
         ops["reduce_tcp"] = list(ops["reduce"])
-    ddptrain.shutdown()
     return {"ops": ops, "wall": walls}
+
+
+def _measure_rank(sizes: list[int]) -> dict[str, Any]:
+    try:
+        return _measure(sizes)
+    finally:
+        ddptrain.shutdown()
 
 
 def _operations(n: int, ws: int, shm: Any, tcp: Any) -> dict[str, Any]:
@@ -152,10 +237,11 @@ def _operations(n: int, ws: int, shm: Any, tcp: Any) -> dict[str, Any]:
         "reduce_scatter": lambda: reduce_scatter_single(part, whole),
         "broadcast": lambda: dist.broadcast(whole, 0),
     }
-    if ws > 1:
+    if shm is not None:
         bucket = shm.allocate(n, torch.float32, torch.device("cpu"))
-        private = torch.ones(n)
         runs["reduce"] = lambda: shm.reduce(GradBucket(0, bucket, [], [], True))
+    if tcp is not None:
+        private = torch.ones(n)
         runs["reduce_tcp"] = lambda: tcp.reduce(GradBucket(0, private, [], [], True))
     return runs
 
@@ -206,3 +292,26 @@ def background_threads(seconds: float = 0.5) -> float:
         os.wait()
     share = min(1.0, statistics.fmean(shares))
     return max(0.0, cores / share - cores) if share > 0 else 0.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Under a launcher (two hosts): measure this world's collectives; rank 0 writes JSON."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m ddptrain.plan.calibrate")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    info = ddptrain.init_distributed()
+    mine = _measure([int(s) for s in args.sizes.split(",")])
+    gathered: list[Any] | None = [None] * info.world_size if info.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    ddptrain.shutdown()
+    if gathered is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "calibration.json").write_text(json.dumps(gathered))
+
+
+if __name__ == "__main__":
+    main()

@@ -31,6 +31,7 @@ from ddptrain.bench.hosts import run_launchers, terminate_as_exit
 from ddptrain.netns import torchrun, two_hosts
 from ddptrain.plan.calibrate import background_threads
 from ddptrain.plan.predict import Point
+from ddptrain.plan.profile import START_METHOD
 from ddptrain.plan.run import Steps, run_rank
 from ddptrain.plan.setup import Setup
 
@@ -49,7 +50,14 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run_local(setup: Setup, world_size: int, steps: Steps | None = None) -> dict[str, Any]:
     """Train `setup` on `world_size` spawned ranks of this host; summarize()'s figures."""
-    ranks = ddptrain.spawn(run_rank, world_size, setup.as_dict(), steps or Steps(), timeout_s=900)
+    ranks = ddptrain.spawn(
+        run_rank,
+        world_size,
+        setup.as_dict(),
+        steps or Steps(),
+        timeout_s=900,
+        start_method=START_METHOD,
+    )
     return summarize(ranks)
 
 

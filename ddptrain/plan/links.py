@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OPS = ("reduce", "all_gather", "reduce_scatter", "broadcast")
+# gloo's all-gather and reduce-scatter take longer than a ring's bytes over a shaped link
+# (measured over two namespaces: docs/plan.md); used where the link was not measured itself.
+GLOO_EXCESS = {"all_gather": 1.8, "reduce_scatter": 2.3}
 TCP_PAYLOAD_EFFICIENCY = 1448 / 1514
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$")
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}
@@ -140,18 +143,32 @@ class ShapedLink:
     shared_cores: bool = True
     name: str = "shaped"
     description: str = ""
+    # Measured over the shaped link itself at world size 2 (calibrate.measured_shaped_link):
+    # per operation, (bytes, CPU seconds) and (bytes, wall seconds); empty: the formula.
+    cpu_table: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    wall_table: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    source: str = ""
 
     def cost(self, op: str, nbytes: int, world_size: int) -> Cost:
+        if world_size <= 1:
+            return Cost()
         local_op = "reduce_tcp" if op == "reduce" else op
-        cpu = self.local.cpu_seconds(local_op, nbytes, 2)
-        # The CPU a ring moves grows with the bytes each rank moves, as the wire time does.
-        cpu *= ring_factor(op, world_size) / ring_factor(op, 2) if world_size > 1 else 0.0
+        # A ring's CPU and wire time grow with the bytes each rank moves.
+        scale = ring_factor(op, world_size) / ring_factor(op, 2)
+        hops = (ring_steps(op, world_size) - ring_steps(op, 2)) * self.latency_s
+        if local_op in self.cpu_table:
+            cpu = _interpolate(self.cpu_table[local_op], nbytes)
+        else:
+            cpu = self.local.cpu_seconds(local_op, nbytes, 2)
+        if local_op in self.wall_table:
+            wire = _interpolate(self.wall_table[local_op], nbytes) * scale + hops
+            return Cost(cpu_s=cpu * scale, wire_s=wire)
         rate = self.rate_bits_per_s / 8 * TCP_PAYLOAD_EFFICIENCY
         wire = (
-            ring_factor(op, world_size) * nbytes / rate
+            GLOO_EXCESS.get(op, 1.0) * ring_factor(op, world_size) * nbytes / rate
             + ring_steps(op, world_size) * self.latency_s
         )
-        return Cost(cpu_s=cpu, wire_s=wire)
+        return Cost(cpu_s=cpu * scale, wire_s=wire)
 
     def cpu(self, world_size: int) -> tuple[float, int] | None:
         """(cores, ranks sharing them)."""
