@@ -135,6 +135,8 @@ class ShardedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.epoch = 0
         self._consumed_samples = 0
+        # Global samples one batch (num_batches, mark_consumed) covers over every rank.
+        self.batch_samples = global_batch_size
 
     @property
     def per_rank_batch_size(self) -> int:
@@ -143,10 +145,11 @@ class ShardedSampler(Sampler[int]):
 
     @property
     def batches_per_epoch(self) -> int:
-        """Batches in a whole epoch (the same on every rank and at every world size)."""
-        if self.drop_last:
-            return self.dataset_len // self.global_batch_size
-        return math.ceil(self.dataset_len / self.global_batch_size)
+        """Batches in a whole epoch (the same on every rank)."""
+        steps = self.dataset_len // self.global_batch_size
+        if not self.drop_last:
+            steps = math.ceil(self.dataset_len / self.global_batch_size)
+        return steps * self.global_batch_size // self.batch_samples
 
     @property
     def consumed_samples(self) -> int:
@@ -156,13 +159,13 @@ class ShardedSampler(Sampler[int]):
     @property
     def num_batches(self) -> int:
         """Batches left in the current epoch from the current position."""
-        return self.batches_per_epoch - self._consumed_samples // self.global_batch_size
+        return self.batches_per_epoch - self._consumed_samples // self.batch_samples
 
     def __len__(self) -> int:
         return self.num_batches * self.per_rank_batch_size
 
-    def __iter__(self) -> Iterator[int]:
-        order = global_order(
+    def _order(self) -> list[int]:
+        return global_order(
             self.dataset_len,
             self.global_batch_size,
             epoch=self.epoch,
@@ -170,8 +173,10 @@ class ShardedSampler(Sampler[int]):
             shuffle=self.shuffle,
             drop_last=self.drop_last,
         )
+
+    def __iter__(self) -> Iterator[int]:
         # Built eagerly: the position is read when iteration starts, not at the first next().
-        return iter(order[self._consumed_samples + self.rank :: self.world_size])
+        return iter(self._order()[self._consumed_samples + self.rank :: self.world_size])
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch's order; a new epoch starts at its beginning, the current one stays put."""
@@ -189,11 +194,13 @@ class ShardedSampler(Sampler[int]):
                 f"{self.num_batches} batch(es) left; call set_epoch({self.epoch + 1}) "
                 "before the next epoch and mark_consumed() once per batch"
             )
-        self._consumed_samples += num_batches * self.global_batch_size
+        self._consumed_samples += num_batches * self.batch_samples
+
+    _state_keys = _STATE_KEYS
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch and global samples consumed, plus the settings that define the order."""
-        state = {key: getattr(self, key) for key in _STATE_KEYS}
+        state = {key: getattr(self, key) for key in self._state_keys}
         state.update(
             epoch=self.epoch,
             consumed_samples=self._consumed_samples,
@@ -203,18 +210,19 @@ class ShardedSampler(Sampler[int]):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at `state`'s epoch and position; the world size may differ."""
-        missing = [k for k in (*_STATE_KEYS, "epoch", "consumed_samples") if k not in state]
+        name = type(self).__name__
+        missing = [k for k in (*self._state_keys, "epoch", "consumed_samples") if k not in state]
         if missing:
-            raise KeyError(f"sampler state is missing {missing}; was it made by ShardedSampler?")
-        for key in _STATE_KEYS:
+            raise KeyError(f"sampler state is missing {missing}; was it made by {name}?")
+        for key in self._state_keys:
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"checkpointed sampler has {key}={state[key]!r} but this one has "
-                    f"{key}={getattr(self, key)!r}; construct ShardedSampler with "
+                    f"{key}={getattr(self, key)!r}; construct {name} with "
                     f"{key}={state[key]!r} to resume (it defines the sample order)"
                 )
         consumed = int(state["consumed_samples"])
-        full = self.batches_per_epoch * self.global_batch_size
+        full = self.batches_per_epoch * self.batch_samples
         if consumed % self.global_batch_size or not 0 <= consumed <= full:
             raise ValueError(
                 f"consumed_samples {consumed} is not a whole number of global batches of "
@@ -224,18 +232,20 @@ class ShardedSampler(Sampler[int]):
         self._consumed_samples = consumed
 
 
-class MicroBatchSampler(Sampler[int]):
+class MicroBatchSampler(ShardedSampler):
     """Per-rank indices of micro-batches that are the same samples at any world size: the
     deterministic mode's sampler (TrainerConfig(deterministic=True, micro_batch_size=N)).
 
-    - The epoch's order is `global_order(...)` padded (or cut) to whole global batches of
-      `global_batch_size` G, whatever the world size.
+    - The epoch's order is ShardedSampler's: `global_order(...)` padded (or cut) to whole
+      global batches of `global_batch_size` G, whatever the world size.
     - Micro-batch k of global batch s is `order[s * G + k * N:][:N]`; rank r takes k = r,
       r + world_size, ...: its j-th micro-batch of a step is k = j * world_size + r.
     - A "batch" here (num_batches, mark_consumed) is one round of world_size micro-batches,
       one per rank; a step is G / (N * world_size) rounds. The position is counted in global
       samples, so `state_dict()` loads at any world size that divides G / N.
     """
+
+    _state_keys = (*_STATE_KEYS, "micro_batch_size")
 
     def __init__(
         self,
@@ -249,101 +259,35 @@ class MicroBatchSampler(Sampler[int]):
         seed: int = 0,
         drop_last: bool = False,
     ):
-        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        _, ranks = _rank_and_world(rank, world_size)
         micro_batches = global_batch_size // micro_batch_size
-        if global_batch_size % micro_batch_size or micro_batches % self.world_size:
+        if micro_batch_size < 1 or global_batch_size % micro_batch_size or micro_batches % ranks:
             raise ValueError(
                 f"global_batch_size {global_batch_size} is not micro-batches of "
-                f"{micro_batch_size} that {self.world_size} ranks can share evenly"
+                f"{micro_batch_size} that {ranks} ranks can share evenly"
             )
-        if drop_last and dataset_len < global_batch_size:
-            raise ValueError(
-                f"drop_last=True with dataset_len {dataset_len} < global_batch_size "
-                f"{global_batch_size} leaves no batch; use drop_last=False or a smaller batch"
-            )
-        self.dataset_len = dataset_len
-        self.global_batch_size = global_batch_size
+        super().__init__(
+            dataset_len,
+            global_batch_size=global_batch_size,
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
         self.micro_batch_size = micro_batch_size
-        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.round_size = micro_batch_size * self.world_size
-        self.epoch = 0
-        self._consumed_samples = 0
+        self.batch_samples = micro_batch_size * self.world_size
 
     @property
     def per_rank_batch_size(self) -> int:
         """Samples per micro-batch on this rank."""
         return self.micro_batch_size
 
-    @property
-    def batches_per_epoch(self) -> int:
-        """Rounds in a whole epoch (world_size micro-batches each)."""
-        steps = self.dataset_len // self.global_batch_size
-        if not self.drop_last:
-            steps = math.ceil(self.dataset_len / self.global_batch_size)
-        return steps * self.global_batch_size // self.round_size
-
-    @property
-    def consumed_samples(self) -> int:
-        """Global samples (padding included) marked consumed in the current epoch."""
-        return self._consumed_samples
-
-    @property
-    def num_batches(self) -> int:
-        """Rounds left in the current epoch from the current position."""
-        return self.batches_per_epoch - self._consumed_samples // self.round_size
-
-    def __len__(self) -> int:
-        return self.num_batches * self.micro_batch_size
-
     def __iter__(self) -> Iterator[int]:
-        order = global_order(
-            self.dataset_len,
-            self.global_batch_size,
-            epoch=self.epoch,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-        )
-        n, start = self.micro_batch_size, self._consumed_samples + self.rank * self.micro_batch_size
-        mine = [order[a : a + n] for a in range(start, len(order), self.round_size)]
+        order, n = self._order(), self.micro_batch_size
+        start = self._consumed_samples + self.rank * n
+        mine = [order[a : a + n] for a in range(start, len(order), self.batch_samples)]
         return iter([i for micro_batch in mine for i in micro_batch])
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use epoch's order; a new epoch starts at its beginning, the current one stays put."""
-        if epoch != self.epoch:
-            self.epoch = epoch
-            self._consumed_samples = 0
-
-    def mark_consumed(self, num_batches: int = 1) -> None:
-        """Record that the next `num_batches` rounds (every rank's micro-batch) were trained on."""
-        if not 0 <= num_batches <= self.num_batches:
-            raise RuntimeError(
-                f"mark_consumed({num_batches}) but epoch {self.epoch} has {self.num_batches} "
-                "round(s) left"
-            )
-        self._consumed_samples += num_batches * self.round_size
-
-    def state_dict(self) -> dict[str, Any]:
-        """Epoch and global samples consumed, plus the settings that define the order."""
-        state = {key: getattr(self, key) for key in (*_STATE_KEYS, "micro_batch_size")}
-        state.update(epoch=self.epoch, consumed_samples=self._consumed_samples)
-        return {**state, "world_size": self.world_size}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at `state`'s epoch and position; the world size may differ."""
-        for key in (*_STATE_KEYS, "micro_batch_size"):
-            if state.get(key) != getattr(self, key):
-                raise ValueError(
-                    f"checkpointed sampler has {key}={state.get(key)!r} but this one has "
-                    f"{key}={getattr(self, key)!r}; they define the sample order"
-                )
-        consumed = int(state["consumed_samples"])
-        if consumed % self.global_batch_size:
-            raise ValueError(
-                f"consumed_samples {consumed} is not a whole number of global batches of "
-                f"{self.global_batch_size}"
-            )
-        self.epoch, self._consumed_samples = int(state["epoch"]), consumed
 
 
 class EvalSampler(Sampler[int]):

@@ -1,5 +1,5 @@
 """What makes a micro-batch's forward the same at any world size, for the exact mode
-(ddp/exact.py, fsdp/deterministic.py): its random numbers, and its BatchNorm statistics.
+(ddp/deterministic.py, fsdp/deterministic.py): its random numbers, and its BatchNorm statistics.
 
     forwards = MicroBatchForwards(module, group)   # collective: rank 0's seed
     ... training forwards: hooks on `module` key the RNG and restore the statistics ...

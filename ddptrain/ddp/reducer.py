@@ -78,7 +78,7 @@ class Phase(enum.Enum):
 class Reducer:
     """Buckets, the per-parameter hooks and one synchronized backward's reductions."""
 
-    bucket_dtype: torch.dtype | None = None  # None: the parameters' (ddp/exact.py: int64)
+    bucket_dtype: torch.dtype | None = None  # None: the parameters' (ddp/deterministic.py: int64)
 
     def __init__(
         self,

@@ -74,7 +74,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     - With `gradient_as_bucket_view=True` (default) each `.grad` is a view into its bucket
       after backward; `zero_grad(set_to_none=True)` and `zero_grad(set_to_none=False)` both work.
     - No parameters are added after wrapping; one forward is followed by at most one backward.
-    - With `deterministic=True` (ddp/exact.py) `.grad` is instead the mean over every rank's
+    - With `deterministic=True` (ddp/deterministic.py) `.grad` is instead the mean over every rank's
       micro-batches since the last synchronized backward (one forward and backward each, the
       same number on every rank), with the same bits at any world size.
     """
@@ -154,7 +154,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer: Any = Reducer
         if deterministic:
             # The exact mode, in a module of its own: read only by those who ask for it.
-            from ddptrain.ddp.exact import ExactReducer
+            from ddptrain.ddp.deterministic import ExactReducer
 
             reducer = functools.partial(ExactReducer, module)
         self.reducer = reducer(

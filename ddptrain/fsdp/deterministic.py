@@ -1,5 +1,5 @@
 """The sharded wrapper with deterministic=True: the same bits at any world size, and the same
-bits as the DDP wrapper's exact mode (ddp/exact.py).
+bits as the DDP wrapper's exact mode (ddp/deterministic.py).
 
     exact = ExactGradients(module, group)          # collective: rank 0's seed, a group
     exact.backward_started()                       # each backward, once

@@ -23,7 +23,7 @@ from ddptrain.dist import DistInfo
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.config import ConfigError, TrainerConfig
 from ddptrain.train.health import LOST_RANK_EXIT_CODE
-from ddptrain.train.preempt import PREEMPTED_EXIT_CODE, Preempted, StopRequest
+from ddptrain.train.preempt import PREEMPTED_EXIT_CODE, Agreed, Preempted, StopRequest
 from support.toy_models import ToyTrainer, flat_params
 
 ALONE = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
@@ -321,3 +321,14 @@ def test_one_rank_losing_its_launcher_stops_every_rank_with_the_lost_rank_code(t
     assert f"on its torchrun agent (pid {agent}) is gone (rank 1)" in message, message
     assert f"exiting with code {LOST_RANK_EXIT_CODE}" in message, message
     ckpt.verify_checkpoint(tmp_path / "ckpt" / f"ckpt-{step:08d}.pt")
+
+
+def test_the_stop_line_says_how_to_continue_as_the_run_was_configured():
+    """With resume='auto' the same command continues; without it, the line names the setting
+    and its flag instead of promising what the same command would not do."""
+    agreed = Agreed(True, 76, {"SIGTERM": [0, 1]})
+    resumes = agreed.message(5, "saved ckpt/ckpt-00000005.pt in 0.01 s", resumes=True)
+    fresh = agreed.message(5, "saved ckpt/ckpt-00000005.pt in 0.01 s", resumes=False)
+    assert resumes.startswith("ddptrain: stopped at step 5 on SIGTERM (ranks 0, 1): saved")
+    assert resumes.endswith("Run the same command again to continue from there.")
+    assert fresh.endswith("Run it again with resume='auto' (--resume auto) to continue from there.")
