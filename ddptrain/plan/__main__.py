@@ -29,7 +29,7 @@ from ddptrain.plan import DEFAULT_STRATEGIES, plan, resolve_link
 from ddptrain.plan.check import compare, run_local, run_two_hosts, wait_for_quiet
 from ddptrain.plan.links import NAMED, LocalLink, ShapedLink
 from ddptrain.plan.predict import predict
-from ddptrain.plan.report import format_check, format_choice, format_table, plot
+from ddptrain.plan.report import format_check, format_choice, format_picks, format_table, plot
 from ddptrain.plan.run import Steps
 from ddptrain.plan.setup import OPTIMIZERS, PRECISIONS, STRATEGIES, Setup
 from ddptrain.plan.workloads import names
@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             chart = args.out / f"plan-{model.replace(':', '-')}-{link_name}.png"
             if not args.no_plot and plot(result.predictions, rows, chart, title):
                 print(f"wrote {chart}")
+    if out["check"]:
+        print("\n== predicted against measured, every configuration run")
+        print(format_check(out["check"]))
+        print(format_picks(out["check"]))
     out["settings"]["load_avg_1m_after"] = os.getloadavg()[0]
     (args.out / "plan.json").write_text(json.dumps(out, indent=1, default=str))
     print(f"wrote {args.out / 'plan.json'}")

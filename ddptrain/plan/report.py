@@ -3,6 +3,7 @@
 print(format_table(predictions))            # per strategy and world size
 print(format_choice(predictions, [1, 2, 4])) # the largest efficient world size, its strategy
 print(format_check(rows))                   # predicted, measured, ratio
+print(format_picks(rows))                   # predicted fastest against measured fastest
 plot(predictions, rows, Path("plan.png"))   # step time and memory against world size
 """
 
@@ -81,6 +82,33 @@ def format_check(rows: list[dict[str, Any]]) -> str:
             f"{within_mem} of {len(rows)} (bg: busy threads of other programs before the run)"
         )
     return "\n".join(lines)
+
+
+def format_picks(rows: list[dict[str, Any]]) -> str:
+    """Per model, link and world size run: the strategy predicted fastest against the one
+    measured fastest, among the strategies --check ran."""
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["setup"]["model"], r["link"], r["world_size"]), []).append(r)
+    lines, agree = [], 0
+    for (model, link, n), group in groups.items():
+        predicted = min(group, key=lambda r: r["predicted_step_s"])
+        measured = min(group, key=lambda r: r["measured_step_s"])
+        same = predicted is measured
+        agree += same
+        name = f"{model} ws{n} {link}"
+        lines.append(
+            f"{name:<22} picked {_label(predicted):<12} measured best {_label(measured):<12} "
+            f"{'same' if same else 'DIFFERS'}"
+        )
+    if groups:
+        lines.append(f"picked strategy is the measured best in {agree} of {len(groups)} cases")
+    return "\n".join(lines)
+
+
+def _label(row: dict[str, Any]) -> str:
+    s = row["setup"]
+    return f"powersgd-r{s['powersgd_rank']}" if s["strategy"] == "powersgd" else s["strategy"]
 
 
 def plot(predictions: list[Prediction], rows: list[dict[str, Any]], path: Path, title: str) -> bool:
