@@ -11,12 +11,15 @@ efficiency against one rank, exposed communication, peak memory, whether it fits
 strategy it would pick at each world size and the largest world size keeping efficiency >=
 80%. --check trains each setup for real where this machine can (one host: ranks spawned here;
 a rate: two network namespaces, one rank each, the link shaped with tc, root only) and prints
-predicted against measured. Writes <out>/plan.json and a chart per model and link.
+predicted against measured. Writes <out>/plan.json (--json: also on stdout, per configuration
+the predicted step seconds and peak bytes, and the measured ones after --check) and a chart per
+model and link (PNG with matplotlib, else text).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -29,7 +32,14 @@ from ddptrain.plan import DEFAULT_STRATEGIES, plan, resolve_link
 from ddptrain.plan.check import compare, run_local, run_two_hosts, wait_for_quiet
 from ddptrain.plan.links import NAMED, LocalLink, ShapedLink
 from ddptrain.plan.predict import predict
-from ddptrain.plan.report import format_check, format_choice, format_picks, format_table, plot
+from ddptrain.plan.report import (
+    format_check,
+    format_choice,
+    format_picks,
+    format_table,
+    plot,
+    text_chart,
+)
 from ddptrain.plan.run import Steps
 from ddptrain.plan.setup import OPTIMIZERS, PRECISIONS, STRATEGIES, Setup
 from ddptrain.plan.workloads import names
@@ -68,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", default="3,6,2", help="--check: warm-up steps, blocks, steps a block")
     p.add_argument("--out", type=Path, default=Path("plan-results"))
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print plan.json on stdout (tables to stderr)")  # fmt: skip
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.strategies = [s for s in args.strategies.split(",") if s]
@@ -110,6 +122,15 @@ def _check(args: argparse.Namespace, result: Any, link: Any) -> list[dict[str, A
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Predict (and check) every model on every link; print, write plan.json and charts."""
     args = parse_args(argv)
+    if not args.json:
+        return _main(args)
+    with contextlib.redirect_stdout(sys.stderr):
+        out = _main(args)
+    print(json.dumps(out, indent=1, default=str))
+    return out
+
+
+def _main(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"settings": _settings(args), "plans": [], "check": []}
     args.out.mkdir(parents=True, exist_ok=True)
     budget = int(args.memory_per_rank_gib * 2**30) if args.memory_per_rank_gib else None
@@ -133,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   "other programs)")  # fmt: skip
             print(format_table(result.predictions))
             print(format_choice(result.predictions, result.world_sizes))
+            print(text_chart(result.predictions))
             rows = _check(args, result, link) if args.check else []
             if rows:
                 print(format_check(rows))

@@ -2,6 +2,7 @@
 
 print(format_table(predictions))            # per strategy and world size
 print(format_choice(predictions, [1, 2, 4])) # the largest efficient world size, its strategy
+print(text_chart(predictions))              # step time and memory against world size, as bars
 print(format_check(rows))                   # predicted, measured, ratio
 print(format_picks(rows))                   # predicted fastest against measured fastest
 plot(predictions, rows, Path("plan.png"))   # step time and memory against world size
@@ -58,6 +59,23 @@ def format_choice(predictions: list[Prediction], world_sizes: list[int]) -> str:
             f"(efficiency {eff:.2f})"
         )
     return f"fastest that fits, per world size: {', '.join(picks)}\n{verdict}"
+
+
+def text_chart(predictions: list[Prediction], width: int = 40) -> str:
+    """Step time and peak memory against world size as bars, one block per strategy."""
+    points = [p for pred in predictions for p in pred.points]
+    if not points:
+        return ""
+    longest = max(p.step_s for p in points)
+    largest = max(p.peak_bytes for p in points)
+    lines = [f"{'':<12} {'ranks':>5}  step time (longest {1e3 * longest:.1f} ms)"
+             f"{'':<{width - 28}}  peak memory (largest {largest / MIB:.0f} MiB)"]  # fmt: skip
+    for pred in predictions:
+        for p in pred.points:
+            step = "#" * max(1, round(width * p.step_s / longest))
+            peak = "=" * max(1, round(width * p.peak_bytes / largest))
+            lines.append(f"{_strategy(pred):<12} {p.world_size:>5}  {step:<{width}}  {peak}")
+    return "\n".join(lines)
 
 
 def format_check(rows: list[dict[str, Any]]) -> str:
