@@ -89,7 +89,7 @@ def local_link(world_sizes: list[int] | None = None, refresh: bool = False) -> L
     cached = None if refresh else _cached("local")
     if cached is not None:
         link = LocalLink.from_dict(cached)
-        if all(w in link.table["reduce"] for w in wanted):
+        if link.wall_table and all(w in link.table["reduce"] for w in wanted):
             return link
     link = calibrate(wanted)
     _store("local", link.as_dict())
@@ -163,11 +163,14 @@ def _busiest(ranks: list[dict[str, Any]], key: str) -> dict[str, list[tuple[int,
 def calibrate(world_sizes: list[int]) -> LocalLink:
     """Measure every operation at every size at each world size (module docstring)."""
     table: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    walls: dict[str, dict[int, list[tuple[int, float]]]] = {}
     load = os.getloadavg()[0]
     for ws in world_sizes:
         per_rank = ddptrain.spawn(_measure_rank, ws, list(SIZES), timeout_s=900)
         for op, points in _busiest(per_rank, "ops").items():
             table.setdefault(op, {})[ws] = points
+        for op, points in _busiest(per_rank, "wall").items():
+            walls.setdefault(op, {})[ws] = points
     fresh, mapped = ddptrain.spawn(_passes, 1, timeout_s=300)[0]
     source = (
         f"measured {time.strftime('%Y-%m-%d %H:%M')} on {machine_key()}, load before "
@@ -179,6 +182,7 @@ def calibrate(world_sizes: list[int]) -> LocalLink:
         source=source,
         fresh_pass_s_per_byte=fresh,
         pass_s_per_byte=mapped,
+        wall_table=walls,
     )
 
 
@@ -266,10 +270,15 @@ def _cpu_median(fn: Any) -> float:
     return statistics.median(times)
 
 
-def background_threads(seconds: float = 0.5) -> float:
+def background_threads(seconds: float = 0.2, samples: int = 3) -> float:
     """Busy threads of other programs on this machine's cores, now: as many spinning processes
     as cores each get a share s of a core; C / s - C threads compete with them (CFS shares the
-    cores equally among runnable threads)."""
+    cores equally among runnable threads). The median of `samples`: one sample can catch a
+    process exiting or the hypervisor taking the vCPU."""
+    return statistics.median(_busy_threads(seconds) for _ in range(samples))
+
+
+def _busy_threads(seconds: float) -> float:
     cores = usable_cores()
     pipes = []
     for _ in range(cores):

@@ -13,10 +13,11 @@ rank moves factor * S bytes: 2(n-1)/n for reduce, (n-1)/n for all_gather and red
 1 for broadcast (all of it leaves the root), in `steps` hops of one latency each.
 
 - This machine (`LocalLink`): CPU ranks on one host, where a collective is memory copies and
-  sums (shared memory) or loopback TCP (gloo): all CPU, no wire. Its figures are CPU seconds
-  per rank (every thread of the process, the kernel's copies included), measured per world
-  size and size (calibrate.py) and interpolated linearly in size; a world size not measured
-  takes the nearest one's scaled by the ring factor. `cpu()` says which cores the ranks share.
+  sums (shared memory) or loopback TCP (gloo): no wire. Its figures are CPU seconds per rank
+  (every thread of the process, the kernel's copies included) and, as the least it lasts, its
+  wall seconds, measured per world size and size (calibrate.py) and interpolated linearly in
+  size; a world size not measured takes the nearest one's scaled by the ring factor. `cpu()`
+  says which cores the ranks share.
 - A shaped link between hosts (`ShapedLink`): the CPU a collective costs here (the TCP
   transport's for "reduce", gloo's for the rest), and factor * S / (rate * efficiency) + steps
   * latency on the wire; TCP/IP headers leave 1448 payload bytes of each 1514-byte frame.
@@ -82,12 +83,24 @@ class LocalLink:
     # Seconds per byte of a pass into freshly allocated memory, and into memory already mapped.
     fresh_pass_s_per_byte: float = 0.0
     pass_s_per_byte: float = 0.0
+    # Wall seconds of the same operations (the least a collective lasts: a rank waits for its
+    # peers' copies and the loopback's wake-ups, not only for its own CPU); empty: CPU alone.
+    wall_table: dict[str, dict[int, list[tuple[int, float]]]] = field(default_factory=dict)
 
     def cpu_seconds(self, op: str, nbytes: int, world_size: int) -> float:
         """Measured (interpolated) CPU seconds one rank spends on `op` of `nbytes`."""
+        return self._lookup(self.table, op, nbytes, world_size)
+
+    def _lookup(
+        self,
+        table: dict[str, dict[int, list[tuple[int, float]]]],
+        op: str,
+        nbytes: int,
+        world_size: int,
+    ) -> float:
         if world_size <= 1 and op.startswith("reduce") and op != "reduce_scatter":
             return 0.0
-        by_ws = self.table[op]
+        by_ws = table[op]
         if world_size in by_ws:
             return _interpolate(by_ws[world_size], nbytes)
         near = min(by_ws, key=lambda w: (abs(w - world_size), -w))
@@ -97,7 +110,10 @@ class LocalLink:
         return _interpolate(by_ws[near], nbytes) * scale
 
     def cost(self, op: str, nbytes: int, world_size: int) -> Cost:
-        return Cost(cpu_s=self.cpu_seconds(op, nbytes, world_size))
+        cpu = self.cpu_seconds(op, nbytes, world_size)
+        if op not in self.wall_table or world_size <= 1:
+            return Cost(cpu_s=cpu)
+        return Cost(cpu_s=cpu, wire_s=self._lookup(self.wall_table, op, nbytes, world_size))
 
     def cpu(self, world_size: int) -> tuple[float, int] | None:
         """(cores, ranks sharing them)."""
@@ -112,20 +128,26 @@ class LocalLink:
             "fresh_pass_s_per_byte": self.fresh_pass_s_per_byte,
             "pass_s_per_byte": self.pass_s_per_byte,
             "table": {op: {str(w): pts for w, pts in t.items()} for op, t in self.table.items()},
+            "wall_table": {
+                op: {str(w): pts for w, pts in t.items()} for op, t in self.wall_table.items()
+            },
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LocalLink:
-        table = {
-            op: {int(w): [tuple(p) for p in pts] for w, pts in t.items()}
-            for op, t in d["table"].items()
-        }
+        def tables(key: str) -> dict[str, dict[int, list[tuple[int, float]]]]:
+            return {
+                op: {int(w): [tuple(p) for p in pts] for w, pts in t.items()}
+                for op, t in d.get(key, {}).items()
+            }
+
         return cls(
-            table,
+            tables("table"),
             d["cores"],
             source=d.get("source", ""),
             fresh_pass_s_per_byte=d.get("fresh_pass_s_per_byte", 0.0),
             pass_s_per_byte=d.get("pass_s_per_byte", 0.0),
+            wall_table=tables("wall_table"),
         )
 
 

@@ -9,7 +9,7 @@ from ddptrain.plan.predict import step_seconds
 from ddptrain.plan.setup import Setup
 from ddptrain.plan.steps import ddp_ops
 from ddptrain.plan.timeline import Alloc, Compute, Free, Job, Launch, Wait, simulate
-from support.plan_profiles import MIB, bus, ddp_profile
+from support.plan_profiles import MIB, bus, ddp_profile, local
 
 OPS = [Compute(0.010), Launch("comm", Job("b0", cpu_s=0.004)), Compute(0.010), Wait("b0")]
 
@@ -98,3 +98,12 @@ def test_zero1_adds_its_sharded_step_and_broadcasts():
     free = BusLink(float("inf"), 0.0)
     step, floor = step_seconds(Setup(strategy="zero1"), ddp_profile(), free, 2)
     assert step == pytest.approx(0.031) and floor == pytest.approx(0.031)
+
+
+def test_a_local_collective_lasts_at_least_its_measured_wall_time():
+    """On one host with no CPU cost but 10 ms of measured wall time per 10 MiB bucket, the DDP
+    step is the bus timeline's 42 ms; with the wall time gone, the 32 ms floor."""
+    prof, setup = ddp_profile(), Setup(strategy="ddp")
+    waiting = local(0.0, wall_s_per_byte=0.010 / (10 * MIB))
+    assert step_seconds(setup, prof, waiting, 2) == pytest.approx((0.042, 0.032))
+    assert step_seconds(setup, prof, local(0.0), 2) == pytest.approx((0.032, 0.032))

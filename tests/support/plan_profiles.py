@@ -39,9 +39,13 @@ def bus(bytes_per_s: float = 10 * MIB / 0.010, latency_s: float = 0.0) -> BusLin
     return BusLink(bytes_per_s, latency_s, "toy-bus")
 
 
-def local(cpu_s_per_byte: float, cores: float = 2.0) -> LocalLink:
-    """A one-host link whose every operation costs `cpu_s_per_byte` at every world size."""
-    points = [(0, 0.0), (64 * MIB, 64 * MIB * cpu_s_per_byte)]
+def local(cpu_s_per_byte: float, cores: float = 2.0, wall_s_per_byte: float = 0.0) -> LocalLink:
+    """A one-host link whose every operation costs `cpu_s_per_byte` of CPU and lasts at least
+    `wall_s_per_byte` at every world size."""
     ops = ("reduce", "reduce_tcp", "all_gather", "reduce_scatter", "broadcast")
-    table = {op: {w: list(points) for w in (1, 2, 3, 4)} for op in ops}
-    return LocalLink(table, cores)
+
+    def table(per_byte: float) -> dict[str, dict[int, list[tuple[int, float]]]]:
+        points = [(0, 0.0), (64 * MIB, 64 * MIB * per_byte)]
+        return {op: {w: list(points) for w in (1, 2, 3, 4)} for op in ops}
+
+    return LocalLink(table(cpu_s_per_byte), cores, wall_table=table(wall_s_per_byte))
