@@ -115,9 +115,11 @@ def format_picks(rows: list[dict[str, Any]]) -> str:
         same = predicted is measured
         agree += same
         name = f"{model} ws{n} {link}"
+        slower = predicted["measured_step_s"] / measured["measured_step_s"]
+        verdict = "same" if same else f"DIFFERS: the pick measured {slower:.2f}x the best"
         lines.append(
             f"{name:<22} picked {_label(predicted):<12} measured best {_label(measured):<12} "
-            f"{'same' if same else 'DIFFERS'}"
+            f"{verdict}"
         )
     if groups:
         lines.append(f"picked strategy is the measured best in {agree} of {len(groups)} cases")
