@@ -26,7 +26,7 @@ import torch
 
 from ddptrain.ddp.buckets import assign_buckets
 from ddptrain.plan.links import NAMED, named_link
-from ddptrain.plan.predict import largest_efficient, pick, predict, set_efficiency
+from ddptrain.plan.predict import Prediction, largest_efficient, pick, predict, set_efficiency
 from ddptrain.plan.profile import Profile
 from ddptrain.plan.steps import plain_memory_ops
 from ddptrain.plan.timeline import simulate
@@ -175,26 +175,54 @@ def _units(spec: Spec) -> list[tuple[list[int], int]]:
     return [(root, 0)] + [(spec.layers[k].params, k) for k in inner]
 
 
-def table(spec: Spec) -> tuple[str, list[str]]:
-    """The page's table for one model, and its per-link verdicts."""
+def plans(spec: Spec) -> dict[str, list[Prediction]]:
+    """Per GPU link, every strategy's predictions at one rank and at WORLD_SIZES, efficiency
+    against the fastest one-rank step, fits against DEVICE_MEMORY_BYTES."""
     from ddptrain.plan.setup import Setup
 
     prof = paper_profile(spec)
+    out = {}
+    for name in LINKS:
+        preds = []
+        for strategy in STRATEGIES:
+            pred = predict(Setup(strategy=strategy), prof, named_link(name), [1, *WORLD_SIZES])
+            for p in pred.points:
+                p.fits = p.peak_bytes <= DEVICE_MEMORY_BYTES
+            preds.append(pred)
+        set_efficiency(preds, min(p.at(1).step_s for p in preds))
+        out[name] = preds
+    return out
+
+
+def _verdict(preds: list[Prediction]) -> str:
+    best = largest_efficient(preds, list(WORLD_SIZES))
+    return f"{best[0]} ({best[1].setup['strategy']})" if best else "none from 8"
+
+
+def headline(specs: list[Spec]) -> str:
+    """One row per model and link: DDP's efficiency at 8, 64 and 1024 ranks, and the largest
+    world size whose pick keeps 80%."""
+    rows = [
+        "| model | link | DDP efficiency at 8 | at 64 | at 1024 | largest world size >= 80% |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for spec in specs:
+        for name, preds in plans(spec).items():
+            ddp = preds[STRATEGIES.index("ddp")]
+            eff = [f"{ddp.at(n).efficiency:.2f}" for n in (8, 64, 1024)]
+            rows.append(f"| {spec.name} | {name} | {' | '.join(eff)} | {_verdict(preds)} |")
+    return "\n".join(rows)
+
+
+def table(spec: Spec) -> tuple[str, list[str]]:
+    """The page's table for one model, and its per-link verdicts."""
     rows = [
         "| link | ranks | DDP step ms | DDP efficiency | picked | step ms | efficiency | "
         "exposed comm ms | peak GiB |",
         "|---|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     verdicts = []
-    for name in LINKS:
-        link = named_link(name)
-        preds = []
-        for strategy in STRATEGIES:
-            pred = predict(Setup(strategy=strategy), prof, link, [1, *WORLD_SIZES])
-            for p in pred.points:
-                p.fits = p.peak_bytes <= DEVICE_MEMORY_BYTES
-            preds.append(pred)
-        set_efficiency(preds, min(p.at(1).step_s for p in preds))
+    for name, preds in plans(spec).items():
         ddp = preds[STRATEGIES.index("ddp")]
         for n in WORLD_SIZES:
             base = f"| {name} | {n} | {1e3 * ddp.at(n).step_s:.1f} | {ddp.at(n).efficiency:.2f} |"
@@ -207,22 +235,15 @@ def table(spec: Spec) -> tuple[str, list[str]]:
                 f"{base} {chosen.setup['strategy']} | {1e3 * p.step_s:.1f} | "
                 f"{p.efficiency:.2f} | {1e3 * p.exposed_comm_s:.1f} | {p.peak_bytes / 2**30:.2f} |"
             )
-        best = largest_efficient(preds, list(WORLD_SIZES))
-        verdicts.append(
-            f"{name}: "
-            + (
-                f"up to {best[0]} ranks with {best[1].setup['strategy']}"
-                if best
-                else "no world size from 8 keeps 80%"
-            )
-        )
+        verdicts.append(f"{name}: {_verdict(preds)}")
     return "\n".join(rows), verdicts
 
 
 def render() -> str:
     """docs/scaling.md's text."""
-    parts = [PAGE_HEAD]
-    for spec in (mlp(), gpt2_small()):
+    specs = [mlp(), gpt2_small()]
+    parts = [PAGE_HEAD, "\n## Headline\n", headline(specs)]
+    for spec in specs:
         prof = paper_profile(spec)
         text, verdicts = table(spec)
         parts.append(
