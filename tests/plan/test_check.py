@@ -10,6 +10,7 @@ from ddptrain.plan.predict import Point, Prediction, largest_efficient, pick, se
 from ddptrain.plan.report import format_picks
 from ddptrain.plan.run import Steps
 from ddptrain.plan.setup import Setup
+from support.plan_profiles import ddp_profile
 
 
 def _prediction(strategy: str, steps: dict[int, float], peak: int = 1) -> Prediction:
@@ -54,3 +55,26 @@ def test_lenet_ddp_at_two_ranks_is_predicted_within_wide_bounds():
     row = compare(Setup(model="lenet"), point, measured, "local", result.background_threads)
     assert 0.75 <= row["peak_ratio"] <= 1.25, row
     assert 0.5 <= row["step_ratio"] <= 2.0, row
+
+
+def test_json_prints_each_configurations_numbers_and_the_tables_go_to_stderr(
+    monkeypatch, tmp_path, capsys
+):
+    """`--json` prints, per configuration, the predicted step seconds and peak bytes on stdout
+    (what a program reads); the human table and the text chart go to stderr."""
+    import json
+
+    import ddptrain.plan
+    from ddptrain.plan.__main__ import main
+
+    monkeypatch.setattr(ddptrain.plan, "profile", lambda setup: ddp_profile())
+    argv = ["--model", "lenet", "--strategies", "ddp", "--link", "nccl-100g"]
+    argv += ["--world-sizes", "8,64", "--background", "0", "--json", "--no-plot"]
+    main([*argv, "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    (found,) = json.loads(out)["plans"]
+    points = found["predictions"][0]["points"]
+    assert [p["world_size"] for p in points] == [8, 64]
+    assert all(p["step_s"] > 0 and p["peak_bytes"] > 0 for p in points)
+    assert "samples/s" in err and "largest world size" in err and "#" in err
+    assert json.loads((tmp_path / "plan.json").read_text())["plans"] == json.loads(out)["plans"]
