@@ -62,18 +62,21 @@ def format_choice(predictions: list[Prediction], world_sizes: list[int]) -> str:
 
 
 def text_chart(predictions: list[Prediction], width: int = 40) -> str:
-    """Step time and peak memory against world size as bars, one block per strategy."""
+    """Step time and peak memory against world size as bars, one block per strategy: step
+    bars from zero, memory bars from the smallest peak (the header says which)."""
     points = [p for pred in predictions for p in pred.points]
     if not points:
         return ""
     longest = max(p.step_s for p in points)
-    largest = max(p.peak_bytes for p in points)
-    lines = [f"{'':<12} {'ranks':>5}  step time (longest {1e3 * longest:.1f} ms)"
-             f"{'':<{width - 28}}  peak memory (largest {largest / MIB:.0f} MiB)"]  # fmt: skip
+    least, most = min(p.peak_bytes for p in points), max(p.peak_bytes for p in points)
+    step_head = f"step time, 0-{1e3 * longest:.1f} ms"
+    lines = [f"{'':<12} {'ranks':>5}  {step_head:<{width}}  "
+             f"peak memory, {least / MIB:.0f}-{most / MIB:.0f} MiB"]  # fmt: skip
     for pred in predictions:
         for p in pred.points:
             step = "#" * max(1, round(width * p.step_s / longest))
-            peak = "=" * max(1, round(width * p.peak_bytes / largest))
+            share = (p.peak_bytes - least) / (most - least) if most > least else 1.0
+            peak = "=" * max(1, round(width * share))
             lines.append(f"{_strategy(pred):<12} {p.world_size:>5}  {step:<{width}}  {peak}")
     return "\n".join(lines)
 
