@@ -14,7 +14,8 @@ It profiles the model's step on one process (profile.py), measures this machine'
 once (calibrate.py, cached), and models the rest: each rank's step as threads sharing its
 cores (timeline.py, steps.py), the link's cost per collective (links.py), the bytes a rank
 holds (memory.py, predict.py). `--check` trains the same setups for real (check.py) and prints
-predicted against measured. docs/plan.md states the formulas and what they assume.
+predicted against measured. scaling.py writes docs/scaling.md (GPU ranks on paper).
+docs/plan.md states the formulas and what they assume.
 """
 
 from __future__ import annotations

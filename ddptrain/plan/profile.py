@@ -41,8 +41,8 @@ SHARDED = ("zero2", "zero3")
 
 WARMUP_STEPS = 3
 # Fresh interpreters, as torchrun and srun start ranks: a rank forked from ddptrain.spawn's
-# forkserver inherits pages it would otherwise fault in while training (peak RSS -56 MiB on
-# the MLP), so profile and --check start every rank so.
+# forkserver inherits pages it would otherwise fault in while training (a lower peak RSS), so
+# profile and --check start every rank so.
 START_METHOD = "spawn"
 TIMED_STEPS = 8
 
