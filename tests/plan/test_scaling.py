@@ -43,3 +43,14 @@ def test_ddp_memory_on_paper_is_params_grads_adamw_and_activations():
     point = predict(Setup(strategy="ddp"), prof, named_link("nccl-100g"), [8]).points[0]
     assert 12 * n + prof.activation_bytes <= point.peak_bytes
     assert point.peak_bytes <= 16 * n + prof.activation_bytes
+
+
+def test_docs_scaling_md_is_what_the_generator_writes():
+    """docs/scaling.md is `python -m ddptrain.plan.scaling`'s output: regenerate it when the
+    model changes."""
+    from pathlib import Path
+
+    from ddptrain.plan.scaling import render
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "scaling.md"
+    assert page.read_text() == render()
