@@ -110,7 +110,7 @@ def _run_and_publish(
 ) -> dict[str, Any]:
     # The later --out wins: rank 0 writes where this process expects, whatever its cwd.
     module_args = ["-m", "ddptrain.bench", *bench_argv, "--out", str(scratch)]
-    with _terminate_as_exit(), two_hosts("ddpb") as (a, b):
+    with terminate_as_exit(), two_hosts("ddpb") as (a, b):
         shaping = link.shape_link(a, b, runner.link) if runner.link is not None else None
         if shaping is not None:
             print(link.describe(shaping), flush=True)
@@ -127,7 +127,7 @@ def _run_and_publish(
             for host in (a, b)
         ]
         envs = [host.env(OMP_NUM_THREADS=str(bench.threads)) for host in (a, b)]
-        output = _run(commands, envs, bench.timeout_s)
+        output = run_launchers(commands, envs, bench.timeout_s)
     # Rank 0 printed paths inside the scratch folder; name the ones the files end up at.
     print(output.replace(str(scratch), str(out)), end="", flush=True)
     result = json.loads((scratch / "bench.json").read_text())
@@ -151,7 +151,7 @@ def _link(a: Host, b: Host, ranks_per_host: int, shaping: dict[str, Any] | None)
     }
 
 
-def _run(commands: list[list[str]], envs: list[dict[str, str]], timeout_s: float) -> str:
+def run_launchers(commands: list[list[str]], envs: list[dict[str, str]], timeout_s: float) -> str:
     """Run the launchers together; the first one's output, or RunFailed with both outputs."""
     with tempfile.TemporaryDirectory(prefix="ddptrain-two-hosts-") as logs:
         paths = [Path(logs) / f"host-{name}.log" for name in "ab"[: len(commands)]]
@@ -189,7 +189,9 @@ def _run(commands: list[list[str]], envs: list[dict[str, str]], timeout_s: float
 
 
 @contextmanager
-def _terminate_as_exit() -> Iterator[None]:
+def terminate_as_exit() -> Iterator[None]:
+    """SIGTERM raises SystemExit inside, so the namespaces and launchers are cleaned up."""
+
     # SIGTERM (a job scheduler's, `timeout`'s) would kill this process without unwinding, and
     # leave the namespaces and both launchers behind; as SystemExit, cleanup runs.
     def on_term(signum: int, frame: object) -> None:

@@ -1,0 +1,326 @@
+"""The links this machine can reach, measured: the collectives the wrappers issue, per size.
+
+    link = local_link([1, 2, 3, 4])     # one host: cached in ~/.cache/ddptrain, else measured
+    link = measured_shaped_link("1gbit")  # two network namespaces joined by a shaped veth (root)
+    busy = background_threads()         # other programs' busy threads on the cores, now
+
+One host: each world size gets one spawned world that times, from a barrier, every operation at
+every size (median of REPEATS; the CPU seconds of every thread of the process, and the wall
+seconds, of the busiest rank), as the wrappers run them: "reduce" is the shared-memory
+transport's (cpu/shm.py) on a bucket it allocated, "reduce_tcp" the TCP transport's (cpu/tcp.py,
+the default across hosts; here over loopback), "all_gather" gloo's into a freshly allocated
+output (the sharded wrapper gathers each unit into memory it just mapped), "reduce_scatter" and
+"broadcast" gloo's. One process also times a pass over fresh and over mapped memory (the
+sharded wrapper's packing). Two hosts: the same at world size 2, one rank in each namespace,
+the veth shaped as `python -m ddptrain.bench --two-hosts --link RATE` shapes it (bench/link.py),
+sizes up to what the link carries in about a second. glibc returns freed blocks at once, as in
+--check. The cache is keyed by host name, CPU model, core count and torch version; delete it,
+or pass refresh=True, to measure again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ddptrain
+from ddptrain.bench.memory import return_freed_memory
+from ddptrain.plan.links import LocalLink, ShapedLink, rate_bits
+
+SIZES = (4 << 10, 256 << 10, 2 << 20, 8 << 20, 32 << 20)
+REPEATS = 5
+CACHE = Path.home() / ".cache" / "ddptrain" / "plan-links.json"
+CALIBRATION_VERSION = 3
+# A shaped link is measured up to the size it carries in about this long.
+SHAPED_SECONDS = 0.8
+
+
+def machine_key() -> str:
+    """Host name, CPU model, usable cores and torch version: what the figures depend on."""
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{socket.gethostname()}|{model}|{usable_cores()}|{torch.__version__}"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _cached(name: str) -> dict[str, Any] | None:
+    if not CACHE.exists():
+        return None
+    entry = json.loads(CACHE.read_text()).get(name)
+    if entry and entry.get("machine_key") == machine_key():
+        if entry.get("version") == CALIBRATION_VERSION:
+            return entry
+    return None
+
+
+def _store(name: str, entry: dict[str, Any]) -> None:
+    CACHE.parent.mkdir(parents=True, exist_ok=True)
+    everything = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+    everything[name] = {**entry, "machine_key": machine_key(), "version": CALIBRATION_VERSION}
+    CACHE.write_text(json.dumps(everything))
+
+
+def local_link(world_sizes: list[int] | None = None, refresh: bool = False) -> LocalLink:
+    """This machine's link: from the cache when it holds every world size asked, else measured
+    (and cached)."""
+    wanted = sorted(set(world_sizes or [1, 2]) | {1, 2})
+    cached = None if refresh else _cached("local")
+    if cached is not None:
+        link = LocalLink.from_dict(cached)
+        if link.wall_table and all(w in link.table["reduce"] for w in wanted):
+            return link
+    link = calibrate(wanted)
+    _store("local", link.as_dict())
+    return link
+
+
+def measured_shaped_link(rate: str, refresh: bool = False) -> ShapedLink:
+    """Two hosts of this machine joined by a link shaped to `rate`, its collectives measured
+    at world size 2 (cached)."""
+    name = f"shaped:{rate}"
+    cached = None if refresh else _cached(name)
+    local = local_link([1, 2])
+    if cached is None:
+        cached = _calibrate_two_hosts(rate)
+        _store(name, cached)
+    table = {op: [tuple(p) for p in pts] for op, pts in cached["cpu"].items()}
+    walls = {op: [tuple(p) for p in pts] for op, pts in cached["wall"].items()}
+    return ShapedLink(
+        rate_bits(rate),
+        cached["round_trip_s"] / 2,
+        local,
+        name=rate,
+        description=f"two hosts, tc tbf {rate}",
+        cpu_table=table,
+        wall_table=walls,
+        source=cached["source"],
+    )
+
+
+def _calibrate_two_hosts(rate: str) -> dict[str, Any]:
+    import tempfile
+
+    from ddptrain.bench import link as bench_link
+    from ddptrain.bench.hosts import run_launchers, terminate_as_exit
+    from ddptrain.netns import torchrun, two_hosts
+
+    largest = rate_bits(rate) / 8 * SHAPED_SECONDS
+    sizes = [s for s in SIZES if s <= max(largest, SIZES[1])]
+    with tempfile.TemporaryDirectory(prefix="ddptrain-plan-link-") as out:
+        args = ["-m", "ddptrain.plan.calibrate", "--out", out]
+        args += ["--sizes", ",".join(map(str, sizes))]
+        with terminate_as_exit(), two_hosts("ddpc") as (a, b):
+            shaping = bench_link.shape_link(a, b, rate)
+            rdzv = f"ddptrain-plan-link-{os.getpid()}"
+            commands = [
+                torchrun(h, a, nnodes=2, nproc_per_node=1, rdzv_id=rdzv, args=args) for h in (a, b)
+            ]
+            run_launchers(commands, [h.env() for h in (a, b)], 1800)
+        ranks = json.loads((Path(out) / "calibration.json").read_text())
+    cpu, wall = _busiest(ranks, "ops"), _busiest(ranks, "wall")
+    probe = shaping["probe"]
+    return {
+        "cpu": cpu,
+        "wall": wall,
+        "round_trip_s": probe["round_trip_us"] * 1e-6,
+        "source": f"measured {time.strftime('%Y-%m-%d %H:%M')} over two namespaces, tc tbf "
+        f"{rate}; probe {probe['mbit_per_s']:.0f} Mbit/s",
+    }
+
+
+def _busiest(ranks: list[dict[str, Any]], key: str) -> dict[str, list[tuple[int, float]]]:
+    """Per operation, (bytes, seconds) of the rank that took longest at each size."""
+    out = {}
+    for op, points in ranks[0][key].items():
+        out[op] = [
+            (size, max(r[key][op][i][1] for r in ranks)) for i, (size, _) in enumerate(points)
+        ]
+    return out
+
+
+def calibrate(world_sizes: list[int]) -> LocalLink:
+    """Measure every operation at every size at each world size (module docstring)."""
+    table: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    walls: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    load = os.getloadavg()[0]
+    for ws in world_sizes:
+        per_rank = ddptrain.spawn(_measure_rank, ws, list(SIZES), timeout_s=900)
+        for op, points in _busiest(per_rank, "ops").items():
+            table.setdefault(op, {})[ws] = points
+        for op, points in _busiest(per_rank, "wall").items():
+            walls.setdefault(op, {})[ws] = points
+    fresh, mapped = ddptrain.spawn(_passes, 1, timeout_s=300)[0]
+    source = (
+        f"measured {time.strftime('%Y-%m-%d %H:%M')} on {machine_key()}, load before "
+        f"{load:.2f}, after {os.getloadavg()[0]:.2f}"
+    )
+    return LocalLink(
+        table,
+        float(usable_cores()),
+        source=source,
+        fresh_pass_s_per_byte=fresh,
+        pass_s_per_byte=mapped,
+        wall_table=walls,
+    )
+
+
+def _timed(fn: Any) -> tuple[float, float]:
+    """Median (wall, CPU) seconds of `fn`, CPU of every thread of the process."""
+    fn()
+    wall, cpu = [], []
+    for _ in range(REPEATS):
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def _measure(sizes: list[int]) -> dict[str, Any]:
+    from ddptrain.cpu.shm import SharedMemory
+    from ddptrain.cpu.tcp import Socket
+
+    return_freed_memory()
+    info = ddptrain.init_distributed()
+    ws = info.world_size
+    # Across hosts there is no shared memory: only the TCP transport and gloo are measured.
+    shm = SharedMemory() if ws > 1 and SharedMemory.available() else None
+    tcp = Socket() if ws > 1 else None
+    ops: dict[str, list[tuple[int, float]]] = {}
+    walls: dict[str, list[tuple[int, float]]] = {}
+    for nbytes in sizes:
+        n = max(ws, nbytes // 4 // ws * ws)
+        for op, fn in _operations(n, ws, shm, tcp).items():
+            wall, cpu_s = _timed(fn)
+            ops.setdefault(op, []).append((n * 4, cpu_s))
+            walls.setdefault(op, []).append((n * 4, wall))
+    if ws == 1:
+        ops["reduce"] = [(s, 0.0) for s, _ in ops["broadcast"]]
+        ops["reduce_tcp"] = list(ops["reduce"])
+    return {"ops": ops, "wall": walls}
+
+
+def _measure_rank(sizes: list[int]) -> dict[str, Any]:
+    try:
+        return _measure(sizes)
+    finally:
+        ddptrain.shutdown()
+
+
+def _operations(n: int, ws: int, shm: Any, tcp: Any) -> dict[str, Any]:
+    """Each operation on n float32 elements, as the wrappers run it (module docstring)."""
+    from ddptrain.ddp.hooks import GradBucket
+    from ddptrain.fsdp.unit import all_gather_single, reduce_scatter_single
+
+    shard, whole, part = torch.ones(n // ws), torch.ones(n), torch.empty(n // ws)
+    runs = {
+        "all_gather": lambda: all_gather_single(torch.empty(n), shard),
+        "reduce_scatter": lambda: reduce_scatter_single(part, whole),
+        "broadcast": lambda: dist.broadcast(whole, 0),
+    }
+    if shm is not None:
+        bucket = shm.allocate(n, torch.float32, torch.device("cpu"))
+        runs["reduce"] = lambda: shm.reduce(GradBucket(0, bucket, [], [], True))
+    if tcp is not None:
+        private = torch.ones(n)
+        runs["reduce_tcp"] = lambda: tcp.reduce(GradBucket(0, private, [], [], True))
+    return runs
+
+
+def _passes() -> tuple[float, float]:
+    """CPU seconds per byte of a scaled copy into fresh memory, and into mapped memory."""
+    return_freed_memory()
+    n = 8 << 20
+    source, mapped = torch.ones(n), torch.empty(n)
+    fresh = _cpu_median(lambda: torch.mul(source, 0.5, out=torch.empty(n)))
+    into = _cpu_median(lambda: torch.mul(source, 0.5, out=mapped))
+    return fresh / (n * 4), into / (n * 4)
+
+
+def _cpu_median(fn: Any) -> float:
+    fn()
+    times = []
+    for _ in range(REPEATS):
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return statistics.median(times)
+
+
+def background_threads(seconds: float = 0.2, samples: int = 3) -> float:
+    """Busy threads of other programs on this machine's cores, now: as many spinning processes
+    as cores each get a share s of a core; C / s - C threads compete with them (CFS shares the
+    cores equally among runnable threads). The median of `samples`: one sample can catch a
+    process exiting or the hypervisor taking the vCPU."""
+    return statistics.median(_busy_threads(seconds) for _ in range(samples))
+
+
+def _busy_threads(seconds: float) -> float:
+    cores = usable_cores()
+    pipes = []
+    for _ in range(cores):
+        read, write = os.pipe()
+        if os.fork() == 0:
+            os.close(read)
+            start, start_cpu = time.perf_counter(), time.process_time()
+            while time.perf_counter() - start < seconds:
+                pass
+            share = (time.process_time() - start_cpu) / (time.perf_counter() - start)
+            os.write(write, f"{share}".encode())
+            os._exit(0)
+        os.close(write)
+        pipes.append(read)
+    shares = []
+    for read in pipes:
+        shares.append(float(os.read(read, 64).decode() or 1.0))
+        os.close(read)
+    for _ in pipes:
+        os.wait()
+    share = min(1.0, statistics.fmean(shares))
+    return max(0.0, cores / share - cores) if share > 0 else 0.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Under a launcher (two hosts): measure this world's collectives; rank 0 writes JSON."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m ddptrain.plan.calibrate")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    info = ddptrain.init_distributed()
+    mine = _measure([int(s) for s in args.sizes.split(",")])
+    gathered: list[Any] | None = [None] * info.world_size if info.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    ddptrain.shutdown()
+    if gathered is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "calibration.json").write_text(json.dumps(gathered))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The prediction against the run: the same setup trained for real, where this machine can.
+
+    measured = run_local(setup, world_size=4)          # ranks spawned on this host
+    measured = run_two_hosts(setup, "1gbit")           # two network namespaces, tc-shaped (root)
+    row = compare(setup, point, measured, "local", background=0.4)
+
+One host: ddptrain.spawn starts the ranks (run.py's loop). Two hosts: as `python -m
+ddptrain.bench --two-hosts --link RATE` does (bench/hosts.py, bench/link.py, ddptrain.netns):
+two network namespaces joined by a veth pair, each with a /dev/shm of its own, the veth shaped
+both ways with tc tbf and probed, one torchrun a host running `python -m ddptrain.plan.run`.
+Measured: the median over blocks of the slowest rank's seconds per step, and the largest peak
+RSS of any rank while training. `wait_for_quiet` holds a run back while other programs keep
+the cores busy, up to a limit, and says how busy they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import ddptrain
+from ddptrain.bench import link as bench_link
+from ddptrain.bench.hosts import run_launchers, terminate_as_exit
+from ddptrain.netns import torchrun, two_hosts
+from ddptrain.plan.calibrate import background_threads
+from ddptrain.plan.predict import Point
+from ddptrain.plan.profile import START_METHOD
+from ddptrain.plan.run import Steps, run_rank
+from ddptrain.plan.setup import Setup
+
+
+def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-rank results in; the step (median of each block's slowest rank) and the peak out."""
+    blocks = [max(s) for s in zip(*(r["step_s"] for r in ranks), strict=True)]
+    return {
+        "step_s": statistics.median(blocks),
+        "peak_bytes": max(r["peak_rss_bytes"] for r in ranks),
+        "rss_before_model_bytes": max(r["rss_before_model_bytes"] for r in ranks),
+        "max_rss_bytes": max(r["max_rss_bytes"] for r in ranks),
+        "block_step_s": blocks,
+    }
+
+
+def run_local(setup: Setup, world_size: int, steps: Steps | None = None) -> dict[str, Any]:
+    """Train `setup` on `world_size` spawned ranks of this host; summarize()'s figures."""
+    ranks = ddptrain.spawn(
+        run_rank,
+        world_size,
+        setup.as_dict(),
+        steps or Steps(),
+        timeout_s=900,
+        start_method=START_METHOD,
+    )
+    return summarize(ranks)
+
+
+def run_two_hosts(
+    setup: Setup, rate: str, steps: Steps | None = None, timeout_s: float = 1200.0
+) -> dict[str, Any]:
+    """Train `setup` on two fake hosts, one rank each, joined by a link shaped to `rate`."""
+    steps = steps or Steps()
+    scratch = Path(tempfile.mkdtemp(prefix="ddptrain-plan-"))
+    try:
+        args = ["-m", "ddptrain.plan.run", "--setup", json.dumps(setup.as_dict())]
+        args += ["--steps", json.dumps(asdict(steps)), "--out", str(scratch)]
+        with terminate_as_exit(), two_hosts("ddpp") as (a, b):
+            shaping = bench_link.shape_link(a, b, rate)
+            rdzv_id = f"ddptrain-plan-{os.getpid()}-{time.monotonic_ns()}"
+            commands = [
+                torchrun(host, a, nnodes=2, nproc_per_node=1, rdzv_id=rdzv_id, args=args)
+                for host in (a, b)
+            ]
+            run_launchers(commands, [host.env() for host in (a, b)], timeout_s)
+        ranks = json.loads((scratch / "run.json").read_text())["ranks"]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {**summarize(ranks), "link_probe": shaping["probe"]}
+
+
+def wait_for_quiet(threshold: float | None, max_wait_s: float) -> float:
+    """Busy threads of other programs now; with a threshold, wait (up to max_wait_s) until
+    there are at most that many. Returns the last count."""
+    busy = background_threads()
+    deadline = time.monotonic() + max_wait_s
+    while threshold is not None and busy > threshold and time.monotonic() < deadline:
+        time.sleep(2.0)
+        busy = background_threads()
+    return busy
+
+
+def compare(
+    setup: Setup,
+    point: Point,
+    measured: dict[str, Any],
+    link: str,
+    background: float,
+) -> dict[str, Any]:
+    """One row of the check: predicted, measured, their ratio (predicted / measured)."""
+    return {
+        "configuration": f"{setup.label} ws{point.world_size} {link}",
+        "setup": setup.as_dict(),
+        "world_size": point.world_size,
+        "link": link,
+        "predicted_step_s": point.step_s,
+        "measured_step_s": measured["step_s"],
+        "step_ratio": point.step_s / measured["step_s"],
+        "predicted_peak_bytes": point.peak_bytes,
+        "measured_peak_bytes": measured["peak_bytes"],
+        "peak_ratio": point.peak_bytes / measured["peak_bytes"],
+        "background_threads": background,
+        "load_avg_1m": os.getloadavg()[0],
+        "measured": measured,
+    }

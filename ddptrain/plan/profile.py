@@ -1,0 +1,320 @@
+"""The model's own step, measured on one process: what the plan scales to other world sizes.
+
+    prof = profile(Setup(model="mlp", strategy="ddp"))          # a fresh process, a few steps
+    prof.forward_s, prof.backward_s, prof.optimizer_s            # CPU seconds, median of steps
+    prof.bucket_ready_s[b]   # bucket b reached the comm hook this long into backward (DDP)
+    prof.hook_s[b]           # the comm hook's own seconds on bucket b (PowerSGD's compression)
+    prof.ready_s[i]          # parameter i's gradient was ready this long into backward (sharded)
+    prof.peak_rss_bytes      # peak RSS while training, this strategy at world size 1
+
+The DDP strategies run in a world of one (ddptrain.spawn), wrapped as at any world size, so
+the wrapper's own work (filling buckets, the PowerSGD hook's compression, timed per bucket) is
+in the times; what a world of one does not do, sending, the plan adds from the link. The
+sharded strategies run the plain model, with a forward pre-hook and hook on each unit the
+sharded wrapper would make (fsdp/layout.py's choose_units): their gathers and copies are the
+plan's to add. Marks: the comm hook, wrapped, notes when each bucket reaches it (DDP
+strategies); a hook after each parameter's gradient is accumulated (sharded). Times are CPU
+seconds of the thread that runs the step (autograd runs a CPU backward on it), so other
+programs' load inflates them less than wall time: the plan shares the cores out itself
+(timeline.py). Saved-tensor hooks count the activations of one forward (distinct storages,
+not parameters), by the unit whose forward saved them. glibc returns freed blocks at once, as
+in --check (run.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import ddptrain
+from ddptrain.bench.memory import reset_peak_rss, return_freed_memory, status_field
+from ddptrain.fsdp.layout import choose_units, group_parameters
+from ddptrain.plan.setup import OPTIMIZERS, Setup, build
+
+SHARDED = ("zero2", "zero3")
+
+WARMUP_STEPS = 3
+# Fresh interpreters, as torchrun and srun start ranks: a rank forked from ddptrain.spawn's
+# forkserver inherits pages it would otherwise fault in while training (a lower peak RSS), so
+# profile and --check start every rank so.
+START_METHOD = "spawn"
+TIMED_STEPS = 8
+
+
+@dataclass
+class Profile:
+    """One strategy's step at world size 1, in seconds and bytes (see the module docstring)."""
+
+    setup: dict[str, Any]
+    param_names: list[str]
+    param_numels: list[int]
+    param_shapes: list[list[int]]
+    element_bytes: int
+    step_s: float
+    wall_step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    # Sharded strategies: per parameter, CPU seconds into backward its gradient was ready.
+    ready_s: list[float] = field(default_factory=list)
+    buckets: list[list[int]] = field(default_factory=list)  # parameter indices, launch order
+    # DDP strategies, per bucket: CPU seconds into backward it was handed to the comm hook,
+    # and the hook's own CPU seconds on it (PowerSGD's compression).
+    bucket_ready_s: list[float] = field(default_factory=list)
+    hook_s: list[float] = field(default_factory=list)
+    # Sharded strategies: per unit, its parameter indices; its forward's start and end (s
+    # from the step's start, the unit's own compute between them less its children's).
+    units: list[list[int]] = field(default_factory=list)
+    unit_forward_s: list[list[float]] = field(default_factory=list)
+    activation_bytes: int = 0
+    unit_activation_bytes: list[int] = field(default_factory=list)
+    rss_before_model_bytes: int = 0
+    peak_rss_bytes: int = 0
+    optimizer_state_bytes: int = 0
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.param_numels) * self.element_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def profile(setup: Setup, timeout_s: float = 600.0) -> Profile:
+    """Profile `setup` in a fresh process (a world of one)."""
+    (raw,) = ddptrain.spawn(
+        _profile_rank, 1, setup.as_dict(), timeout_s=timeout_s, start_method=START_METHOD
+    )
+    return Profile(**raw)
+
+
+def _profile_rank(setup_dict: dict[str, Any]) -> dict[str, Any]:
+    return_freed_memory()
+    info = ddptrain.init_distributed()
+    setup = Setup(**setup_dict)
+    work = setup.workload
+    rss_before_model = status_field("VmRSS")
+    sharded = setup.strategy in SHARDED
+    hook_timer = None if sharded else _HookTimer()
+    if sharded:
+        # The sharded wrapper's gathers and copies are the plan's to add: its compute is the
+        # plain model's, timed unit by unit.
+        torch.manual_seed(0)
+        model = work.factory().to(device=info.device, dtype=setup.dtype)
+        optimizer = OPTIMIZERS[setup.optimizer](model.parameters(), lr=1e-3)
+        plain, unit_modules = model, choose_units(model, None)
+    else:
+        # Marks on the parameters would turn off the slots large Linear layers compute their
+        # gradients into (cpu/linear_slots.py): the comm hook, timed, marks each bucket.
+        model, optimizer = build(setup, info.device, hook_timer.wrap)
+        plain, unit_modules = model.module, []
+    named = list(plain.named_parameters())
+    names = [n for n, _ in named]
+    params = [p for _, p in named]
+    shapes = [list(p.shape) for p in params]
+    numels = [p.numel() for p in params]
+    marks = _Marks(plain, params, unit_modules, param_hooks=sharded)
+    x, y = work.batch(torch.Generator().manual_seed(0))
+    if x.is_floating_point():
+        x = x.to(setup.dtype)
+    reset = reset_peak_rss()
+    times: dict[str, list[float]] = {
+        k: [] for k in ("wall", "step", "forward", "backward", "optimizer")
+    }
+    ready: list[list[float]] = []
+    unit_forward: list[list[list[float]]] = []
+    hooks: list[list[float]] = []
+    bucket_ready: list[list[float]] = []
+    for step in range(WARMUP_STEPS + TIMED_STEPS):
+        marks.clear()
+        if hook_timer is not None:
+            hook_timer.clear()
+        wall, t0 = time.perf_counter(), time.thread_time()
+        optimizer.zero_grad(set_to_none=True)
+        loss = work.loss(model(x), y)
+        t1 = time.thread_time()
+        loss.backward()
+        t2 = time.thread_time()
+        optimizer.step()
+        t3 = time.thread_time()
+        if step < WARMUP_STEPS:
+            continue
+        times["wall"].append(time.perf_counter() - wall)
+        times["step"].append(t3 - t0)
+        times["forward"].append(t1 - t0)
+        times["backward"].append(t2 - t1)
+        times["optimizer"].append(t3 - t2)
+        ready.append(marks.ready_offsets(t1))
+        unit_forward.append(marks.forward_spans(t0))
+        if hook_timer is not None:
+            hooks.append(list(hook_timer.seconds))
+            bucket_ready.append([t - t1 for t in hook_timer.main_at_start])
+    peak = status_field("VmHWM") if reset else 0
+    activations, per_unit = _activation_bytes(model, work, x, y, params, marks)
+    return {
+        "setup": setup.as_dict(),
+        "param_names": names,
+        "param_numels": numels,
+        "param_shapes": shapes,
+        "element_bytes": params[0].element_size(),
+        "step_s": statistics.median(times["step"]),
+        "wall_step_s": statistics.median(times["wall"]),
+        "forward_s": statistics.median(times["forward"]),
+        "backward_s": statistics.median(times["backward"]),
+        "optimizer_s": statistics.median(times["optimizer"]),
+        "ready_s": _median_rows(ready) if sharded else [],
+        "buckets": [] if sharded else _bucket_members(model, names),
+        "bucket_ready_s": _median_rows(bucket_ready) if bucket_ready else [],
+        "hook_s": _median_rows(hooks) if setup.strategy == "powersgd" else [],
+        "units": marks.unit_members(),
+        "unit_forward_s": [_median_rows(list(u)) for u in zip(*unit_forward, strict=True)]
+        if unit_forward and unit_forward[0]
+        else [],
+        "activation_bytes": activations,
+        "unit_activation_bytes": per_unit,
+        "rss_before_model_bytes": rss_before_model,
+        "peak_rss_bytes": peak,
+        "optimizer_state_bytes": _state_bytes(optimizer),
+    }
+
+
+def _median_rows(rows: list[list[float]]) -> list[float]:
+    return [statistics.median(column) for column in zip(*rows, strict=True)]
+
+
+class _Marks:
+    """When each parameter's gradient was ready, and when each unit's forward ran."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        params: list[torch.Tensor],
+        units: list[nn.Module],
+        param_hooks: bool,
+    ) -> None:
+        self.ready: dict[int, float] = {}
+        self.spans: dict[int, list[float]] = {}
+        self.units = units
+        self.n = len(params)
+        index = {id(p): i for i, p in enumerate(params)}
+        groups = group_parameters(root, units) if units else []
+        self.members = [[index[id(r.param)] for r in refs] for refs in groups]
+        for k, unit in enumerate(units):
+            unit.register_forward_pre_hook(self._enter(k))
+            unit.register_forward_hook(self._leave(k))
+        for i, p in enumerate(params):
+            if p.requires_grad and param_hooks:
+                p.register_post_accumulate_grad_hook(self._ready(i))
+
+    def _ready(self, i: int) -> Any:
+        def hook(_: torch.Tensor) -> None:
+            self.ready[i] = time.thread_time()
+
+        return hook
+
+    def _enter(self, k: int) -> Any:
+        def hook(*_: Any) -> None:
+            if torch.is_grad_enabled():
+                self.spans[k] = [time.thread_time()]
+
+        return hook
+
+    def _leave(self, k: int) -> Any:
+        def hook(*_: Any) -> None:
+            if torch.is_grad_enabled() and k in self.spans:
+                self.spans[k].append(time.thread_time())
+
+        return hook
+
+    def clear(self) -> None:
+        self.ready.clear()
+        self.spans.clear()
+
+    def ready_offsets(self, t: float) -> list[float]:
+        return [self.ready.get(i, t) - t for i in range(self.n)]
+
+    def forward_spans(self, t: float) -> list[list[float]]:
+        return [[s - t for s in self.spans.get(k, [t, t])] for k in range(len(self.units))]
+
+    def unit_members(self) -> list[list[int]]:
+        return self.members
+
+    def unit_of_now(self) -> int | None:
+        """The innermost unit whose forward is running (units come root first, pre-order)."""
+        open_units = [k for k, s in self.spans.items() if len(s) == 1]
+        return max(open_units, default=None)
+
+
+class _HookTimer:
+    """Per bucket: the CPU clock of the step's thread when the comm hook got it (the bucket's
+    ready time), and the hook's own CPU seconds (of the thread that runs it)."""
+
+    def __init__(self) -> None:
+        self.main_clock = time.pthread_getcpuclockid(threading.get_ident())
+        self.main_at_start: list[float] = []
+        self.seconds: list[float] = []
+
+    def clear(self) -> None:
+        self.main_at_start, self.seconds = [], []
+
+    def wrap(self, hook: Any) -> Any:
+        def timed(state: Any, bucket: Any) -> Any:
+            self.main_at_start.append(time.clock_gettime(self.main_clock))
+            start = time.thread_time()
+            out = hook(state, bucket)
+            self.seconds.append(time.thread_time() - start)
+            return out
+
+        return timed
+
+
+def _bucket_members(model: nn.Module, names: list[str]) -> list[list[int]]:
+    index = {n: i for i, n in enumerate(names)}
+    return [[index[n] for n in bucket] for bucket in model.bucket_param_names]
+
+
+def _activation_bytes(
+    model: nn.Module,
+    work: Any,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    params: list[torch.Tensor],
+    marks: _Marks,
+) -> tuple[int, list[int]]:
+    """Bytes of the distinct storages one forward saves for backward, not parameters': in all,
+    and per unit (by the innermost unit running when saved; sharded strategies only)."""
+    seen: dict[int, tuple[int, int | None]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        skip = {p.untyped_storage().data_ptr() for p in params}
+        if ptr not in skip and ptr not in seen and storage.nbytes() > 0:
+            seen[ptr] = (storage.nbytes(), marks.unit_of_now())
+        return t
+
+    marks.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = work.loss(model(x), y)
+    loss.backward()
+    total = sum(n for n, _ in seen.values())
+    per_unit = [0] * len(marks.units)
+    for n, k in seen.values():
+        if k is not None:
+            per_unit[k] += n
+    return total, per_unit
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )

@@ -1,0 +1,103 @@
+"""One setup trained for real on every rank: the step times and peak memory --check compares.
+
+    results = ddptrain.spawn(run_rank, 4, setup.as_dict(), Steps())     # one host, by function
+    torchrun ... -m ddptrain.plan.run --setup '{"model": "mlp"}' --out DIR # a launcher's ranks
+
+A step is zero_grad, forward, loss, backward, optimizer step, as the step bench's. After
+`warmup` steps, `blocks` blocks of `block` steps each start at a barrier and run back to back;
+a block's time per step is taken on every rank, and a step is as slow as its slowest rank.
+Memory per rank: the RSS before the model was built, and the peak RSS while training (the
+kernel's high-water mark, reset just before the first step), with glibc returning freed blocks
+at once (bench/memory.py's `return_freed_memory`): the allocator the prediction assumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ddptrain
+from ddptrain.bench.memory import reset_peak_rss, return_freed_memory, status_field
+from ddptrain.plan.setup import Setup, build
+
+
+@dataclass(frozen=True)
+class Steps:
+    """How many steps a run takes and how they are timed."""
+
+    warmup: int = 3
+    blocks: int = 6
+    block: int = 2
+
+
+def run_rank(setup_dict: dict[str, Any], steps: Steps) -> dict[str, Any]:
+    """This rank's measurements (spawned by ddptrain.spawn, or under a launcher)."""
+    freed = return_freed_memory()
+    info = ddptrain.init_distributed()
+    setup = Setup(**setup_dict)
+    work = setup.workload
+    rss_before_model = status_field("VmRSS")
+    model, optimizer = build(setup, info.device)
+    x, y = work.batch(torch.Generator().manual_seed(info.rank))
+    if x.is_floating_point():
+        x = x.to(setup.dtype)
+    x, y = x.to(info.device), y.to(info.device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        work.loss(model(x), y).backward()
+        optimizer.step()
+
+    reset = reset_peak_rss()
+    for _ in range(steps.warmup):
+        step()
+    block_s, cpu_s = [], []
+    for _ in range(steps.blocks):
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps.block):
+            step()
+        block_s.append((time.perf_counter() - start) / steps.block)
+        cpu_s.append((time.process_time() - start_cpu) / steps.block)
+    return {
+        "rank": info.rank,
+        "step_s": block_s,
+        "cpu_s": cpu_s,
+        "rss_before_model_bytes": rss_before_model,
+        "peak_rss_bytes": status_field("VmHWM") if reset else 0,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "malloc_returns_freed": freed,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Under a launcher: run the setup on this rank; rank 0 writes every rank's results."""
+    p = argparse.ArgumentParser(prog="python -m ddptrain.plan.run", description=__doc__)
+    p.add_argument("--setup", required=True, help="the Setup's fields as JSON")
+    p.add_argument("--steps", default="{}", help="the Steps' fields as JSON")
+    p.add_argument("--out", type=Path, required=True, help="rank 0 writes run.json here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        mine = run_rank(json.loads(args.setup), Steps(**json.loads(args.steps)))
+        gathered: list[Any] | None = [None] * dist.get_world_size() if mine["rank"] == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    finally:
+        ddptrain.shutdown()
+    if gathered is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "run.json").write_text(
+            json.dumps({"ranks": gathered, "steps": asdict(Steps(**json.loads(args.steps)))})
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""One prediction against one real run on this machine's CPU, and the choice logic."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddptrain.plan import plan
+from ddptrain.plan.check import compare, run_local
+from ddptrain.plan.predict import Point, Prediction, largest_efficient, pick, set_efficiency
+from ddptrain.plan.report import format_picks
+from ddptrain.plan.run import Steps
+from ddptrain.plan.setup import Setup
+from support.plan_profiles import ddp_profile
+
+
+def _prediction(strategy: str, steps: dict[int, float], peak: int = 1) -> Prediction:
+    points = [Point(n, s, s, n / s, peak, {}) for n, s in steps.items()]
+    return Prediction({"strategy": strategy, "powersgd_rank": 4}, "toy", points)
+
+
+def test_pick_and_largest_efficient_world_size():
+    """The fastest fitting strategy is picked, and the largest world size whose pick keeps
+    one-rank step / step >= 0.8 is reported (1.0 / 1.25 = 0.8 counts)."""
+    ddp = _prediction("ddp", {1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0})
+    zero3 = _prediction("zero3", {1: 1.2, 2: 1.2, 4: 1.25, 8: 1.9})
+    set_efficiency([ddp, zero3], 1.0)
+    assert pick([ddp, zero3], 4) is zero3
+    zero3.at(4).fits = False
+    assert pick([ddp, zero3], 4) is ddp
+    n, chosen = largest_efficient([ddp, zero3], [1, 2, 4, 8])
+    assert (n, chosen) == (2, ddp)
+    zero3.at(4).fits = True
+    assert largest_efficient([ddp, zero3], [1, 2, 4, 8]) == (4, zero3)
+
+
+def test_picks_against_measured_best():
+    """format_picks says where the predicted fastest strategy is not the measured fastest."""
+    rows = [
+        {"setup": {"model": "m", "strategy": s, "powersgd_rank": 4}, "link": "local",
+         "world_size": 2, "predicted_step_s": p, "measured_step_s": m}
+        for s, p, m in [("ddp", 1.0, 2.0), ("zero1", 1.5, 1.0)]
+    ]  # fmt: skip
+    text = format_picks(rows)
+    assert "picked ddp" in text and "measured best zero1" in text and "DIFFERS" in text
+    assert "0 of 1" in text
+
+
+@pytest.mark.slow
+def test_lenet_ddp_at_two_ranks_is_predicted_within_wide_bounds():
+    """LeNet with DDP on two local ranks: predicted peak memory within 25% of the measured, and
+    step time within a factor of 2 (wide: other programs share the machine's cores)."""
+    result = plan("lenet", strategies=["ddp"], world_sizes=[2], link="local")
+    point = result.predictions[0].at(2)
+    measured = run_local(Setup(model="lenet", strategy="ddp"), 2, Steps(2, 4, 2))
+    row = compare(Setup(model="lenet"), point, measured, "local", result.background_threads)
+    assert 0.75 <= row["peak_ratio"] <= 1.25, row
+    assert 0.5 <= row["step_ratio"] <= 2.0, row
+
+
+def test_json_prints_each_configurations_numbers_and_the_tables_go_to_stderr(
+    monkeypatch, tmp_path, capsys
+):
+    """`--json` prints, per configuration, the predicted step seconds and peak bytes on stdout
+    (what a program reads); the human table and the text chart go to stderr."""
+    import json
+
+    import ddptrain.plan
+    from ddptrain.plan.__main__ import main
+
+    monkeypatch.setattr(ddptrain.plan, "profile", lambda setup: ddp_profile())
+    argv = ["--model", "lenet", "--strategies", "ddp", "--link", "nccl-100g"]
+    argv += ["--world-sizes", "8,64", "--background", "0", "--json", "--no-plot"]
+    main([*argv, "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    (found,) = json.loads(out)["plans"]
+    points = found["predictions"][0]["points"]
+    assert [p["world_size"] for p in points] == [8, 64]
+    assert all(p["step_s"] > 0 and p["peak_bytes"] > 0 for p in points)
+    assert "samples/s" in err and "largest world size" in err and "#" in err
+    assert json.loads((tmp_path / "plan.json").read_text())["plans"] == json.loads(out)["plans"]

@@ -1,0 +1,109 @@
+"""The overlap simulation against timelines worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddptrain.plan.links import BusLink, ring_factor, ring_steps
+from ddptrain.plan.predict import step_seconds
+from ddptrain.plan.setup import Setup
+from ddptrain.plan.steps import ddp_ops
+from ddptrain.plan.timeline import Alloc, Compute, Free, Job, Launch, Wait, simulate
+from support.plan_profiles import MIB, bus, ddp_profile, local
+
+OPS = [Compute(0.010), Launch("comm", Job("b0", cpu_s=0.004)), Compute(0.010), Wait("b0")]
+
+
+@pytest.mark.parametrize(
+    ("cores", "peers", "background", "end_s"),
+    [
+        # No contention: the job hides under the second compute.
+        (None, 1, 0.0, 0.020),
+        # A core each: the same.
+        (2.0, 1, 0.0, 0.020),
+        # One core for two threads: 8 ms of both at half speed, then 6 ms of compute alone.
+        (1.0, 1, 0.0, 0.024),
+        # Two ranks' two threads on two cores: as one rank on one core.
+        (2.0, 2, 0.0, 0.024),
+        # Two busy threads of other programs on two cores: the first compute takes 15 ms (2/3
+        # of a core), then 3 threads share: the job's 4 ms take 8 ms (1/2 each, 4 runnable
+        # over 2 cores), compute runs 4 ms of its 10 there, its last 6 ms at 2/3: 9 ms.
+        (2.0, 1, 2.0, 0.015 + 0.008 + 0.009),
+    ],
+)
+def test_one_job_beside_compute(cores, peers, background, end_s):
+    """A 4 ms job launched between two 10 ms computes ends the step when worked by hand."""
+    result = simulate(OPS, cores, peers, background)
+    assert result.end_s == pytest.approx(end_s, abs=1e-9)
+
+
+def test_wire_time_bounds_a_job_and_the_wait_is_exposed():
+    """A job with 1 ms of CPU and 30 ms on the wire, launched after 10 ms and waited for after
+    10 more, ends at 40 ms: 20 ms of the main thread blocked."""
+    ops = [Compute(0.010), Launch("comm", Job("b0", 0.001, 0.030)), Compute(0.010), Wait("b0")]
+    result = simulate(ops, 2.0)
+    assert result.end_s == pytest.approx(0.040)
+    assert result.jobs["b0"] == pytest.approx((0.010, 0.040))
+    assert result.waited_s == pytest.approx(0.020)
+
+
+def test_jobs_on_one_queue_run_one_after_another():
+    """Two 10 ms wire jobs on the same thread: the second starts when the first ends."""
+    ops = [Launch("q", Job("a", wire_s=0.010)), Launch("q", Job("b", wire_s=0.010)), Wait("b")]
+    result = simulate(ops, None)
+    assert result.jobs["a"] == pytest.approx((0.0, 0.010))
+    assert result.jobs["b"] == pytest.approx((0.010, 0.020))
+
+
+def test_memory_peak_follows_allocations():
+    """The peak is the largest live sum over the step, from the bytes held at its start."""
+    ops = [Alloc(5), Alloc(7), Free(5), Alloc(2), Free(7), Alloc(20), Free(22)]
+    assert simulate(ops, None, start_bytes=100).peak_bytes == 100 + 5 + 7 + 2 - 5 + 20 - 7 + 0
+
+
+def test_waiting_for_a_job_never_launched_is_an_error():
+    """A Wait with no such job names it instead of hanging."""
+    with pytest.raises(ValueError, match="'missing'"):
+        simulate([Compute(0.001), Wait("missing")], None)
+
+
+def test_ddp_step_with_two_buckets_on_a_bus():
+    """Forward 10 ms; buckets of 10 MiB ready 5 and 15 ms into a 20 ms backward, each 10 ms on
+    the link at ws 2: bucket 0 runs 15-25 ms, bucket 1 25-35 ms, the last 5 ms of backward
+    after it (35-40), the optimizer 2 ms: 42 ms, 10 ms of it exposed communication."""
+    step, floor = step_seconds(Setup(strategy="ddp"), ddp_profile(), bus(), 2)
+    assert step == pytest.approx(0.042)
+    assert floor == pytest.approx(0.032)
+
+
+def test_ddp_step_hides_a_fast_link():
+    """With a link 10x faster each bucket takes 1 ms: only the last one, 1 ms, is exposed."""
+    step, floor = step_seconds(Setup(strategy="ddp"), ddp_profile(), bus(10 * MIB / 0.001), 2)
+    assert (step, floor) == pytest.approx((0.033, 0.032))
+
+
+def test_bucket_cost_grows_with_the_ring():
+    """At ws 4 a bucket moves 2(n-1)/n = 1.5 of its bytes plus 6 hops: 15 ms + 6 latencies."""
+    link = BusLink(10 * MIB / 0.010, 1e-4)
+    assert ring_factor("reduce", 4) == 1.5 and ring_steps("reduce", 4) == 6
+    cost = link.cost("reduce", 10 * MIB, 4)
+    assert cost.wire_s == pytest.approx(0.015 + 6e-4)
+    ops = ddp_ops(ddp_profile(), link, 4, "ddp")
+    assert simulate(ops, None).end_s == pytest.approx(0.015 + 0.015 + 6e-4 + 0.015 + 6e-4 + 0.007)
+
+
+def test_zero1_adds_its_sharded_step_and_broadcasts():
+    """ZeRO-1 at ws 2 on a free link: the optimizer runs on half the parameters (1 ms), the
+    broadcasts cost nothing, so the step is 10 + 20 + 1 ms."""
+    free = BusLink(float("inf"), 0.0)
+    step, floor = step_seconds(Setup(strategy="zero1"), ddp_profile(), free, 2)
+    assert step == pytest.approx(0.031) and floor == pytest.approx(0.031)
+
+
+def test_a_local_collective_lasts_at_least_its_measured_wall_time():
+    """On one host with no CPU cost but 10 ms of measured wall time per 10 MiB bucket, the DDP
+    step is the bus timeline's 42 ms; with the wall time gone, the 32 ms floor."""
+    prof, setup = ddp_profile(), Setup(strategy="ddp")
+    waiting = local(0.0, wall_s_per_byte=0.010 / (10 * MIB))
+    assert step_seconds(setup, prof, waiting, 2) == pytest.approx((0.042, 0.032))
+    assert step_seconds(setup, prof, local(0.0), 2) == pytest.approx((0.032, 0.032))
