@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing as mp
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,14 +58,18 @@ def check_datasets(
 
 
 def wrap_model(
-    cfg: TrainerConfig, module: nn.Module
+    cfg: TrainerConfig, module: nn.Module, blocks: Sequence[nn.Module] | None = None
 ) -> DistributedDataParallel | FullyShardedDataParallel:
     """The wrapper the config asks for (SyncBatchNorm converted first): DDP for zero_stage 0
-    and 1, the fully sharded wrapper for 2 (parameters gathered once a step) and 3."""
+    and 1, the fully sharded wrapper for 2 (parameters gathered once a step) and 3, whose
+    units are the model's `blocks` when it has them, else chosen by size."""
     if cfg.sync_batchnorm:
         module = convert_sync_batchnorm(module)
     if cfg.zero_stage >= 2:
-        return FullyShardedDataParallel(module, reshard_after_forward=cfg.zero_stage == 3)
+        units = list(blocks) if blocks else None
+        return FullyShardedDataParallel(
+            module, units=units, reshard_after_forward=cfg.zero_stage == 3
+        )
     return DistributedDataParallel(
         module,
         bucket_cap_mb=cfg.bucket_cap_mb,
