@@ -1,10 +1,10 @@
-"""`python -m ddptrain.bench [--recipe | --memory | --capped | --two-hosts] ...`: step times,
-the whole run, memory, training under a memory cap, or step times across two hosts made in this
-machine."""
+"""`python -m ddptrain.bench [--recipe | --gpt | --memory | --capped | --two-hosts] ...`: step
+times, the whole run, a GPT against the plain loop, memory, training under a memory cap, or step
+times across two hosts made in this machine."""
 
 import sys
 
-from ddptrain.bench import capped, hosts, memory, recipe, steps
+from ddptrain.bench import capped, gpt, hosts, memory, recipe, steps
 from ddptrain.netns import HostsUnavailable
 
 argv = sys.argv[1:]
@@ -15,6 +15,8 @@ if "--two-hosts" in argv:
         sys.exit(f"error: {e}")
 elif "--recipe" in argv:
     recipe.main(argv)
+elif "--gpt" in argv:
+    gpt.main(argv)
 elif "--memory" in argv:
     memory.main(argv)
 elif "--capped" in argv:

@@ -275,7 +275,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m ddptrain.bench",
         description=__doc__.split("\n")[0],
         epilog="Other modes, each with its own --help: --recipe (the whole recipe run against "
-        "the standard stack and the no-communication floor), --memory (peak RSS per rank), "
+        "the standard stack and the no-communication floor), --gpt (a GPT on the Trainer "
+        "against nanoGPT's plain DDP loop), --memory (peak RSS per rank), "
         "--capped (training under a per-rank memory cap), --two-hosts (step times across two "
         "network namespaces; root).",
     )
