@@ -53,7 +53,7 @@ Preempted = preempt.Preempted
 
 class Trainer:
     """Subclass and override build_model, build_datasets, configure_optimizers, training_step,
-    and (optionally) validation_step; then call fit()."""
+    and (optionally) validation_step and blocks; then call fit()."""
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
