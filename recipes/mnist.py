@@ -25,7 +25,8 @@ Checkpoints, and continuing from the newest valid one after a restart:
     ... --checkpoint-every-steps 100 --keep-last 5                 # every 100 steps, keep 5
     ... --checkpoint-every-minutes 10                              # and every 10 minutes
 With --checkpoint-dir, SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 save the current step and exit with
-status 76 (--preempt-signals chooses which); the same command then continues from there.
+status 76 (--preempt-signals chooses which); with --resume auto the same command then continues
+from there.
 
 python recipes/mnist.py --help lists every flag with its default.
 

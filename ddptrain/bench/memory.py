@@ -131,12 +131,13 @@ def _held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _status(key: str) -> int:
+def status_field(key: str) -> int:
+    """A field of this process's /proc/self/status, in bytes."""
     with open("/proc/self/status") as f:
         return status_bytes(f.read(), key)
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
     """Restart the kernel's count of this process's peak RSS (VmHWM); False where refused."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -164,7 +165,7 @@ def _worker(
         return_freed_memory()
     info = ddptrain.init_distributed()
     factory, sample_shape, batch_size, _ = MODELS[model_name]
-    before_model = _status("VmRSS")
+    before_model = status_field("VmRSS")
     torch.manual_seed(0)
     module = factory().to(info.device)
     params = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -177,7 +178,7 @@ def _worker(
     g = torch.Generator().manual_seed(info.rank)
     x = torch.randn(batch_size, *sample_shape, generator=g)
     y = torch.randint(0, 10, (batch_size,), generator=g)
-    reset = _reset_peak_rss()
+    reset = reset_peak_rss()
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
@@ -187,7 +188,7 @@ def _worker(
         "rss_before_model_bytes": before_model,
         "param_bytes": params,
         "held_bytes": _held_bytes(model, optimizer),
-        "training_peak_bytes": _status("VmHWM") - before_model if reset else 0,
+        "training_peak_bytes": status_field("VmHWM") - before_model if reset else 0,
     }
 
 

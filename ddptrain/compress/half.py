@@ -26,6 +26,8 @@ from ddptrain.ddp.hooks import AllReduce, GradBucket, Transport
 class HalfPrecision(Transport):
     """Gradients travel as `dtype` (bf16/fp16) through `inner` (module docstring)."""
 
+    sums_exactly = False
+
     def __init__(self, dtype: torch.dtype = torch.bfloat16, inner: Transport | None = None):
         self.dtype = dtype
         self.inner = inner if inner is not None else AllReduce()

@@ -3,14 +3,13 @@
 from ddptrain.data.datasets import download_mnist, fashion_mnist, mnist
 from ddptrain.data.download import DownloadError
 from ddptrain.data.idx import IDXDataset, IDXFormatError, read_idx
+from ddptrain.data.partitioner import DataPartitioner, Partition, partition_indices
 from ddptrain.data.sampler import (
-    DataPartitioner,
     EvalSampler,
-    Partition,
+    MicroBatchSampler,
     ShardedSampler,
     eval_shard,
     global_order,
-    partition_indices,
 )
 
 __all__ = [
@@ -19,6 +18,7 @@ __all__ = [
     "EvalSampler",
     "IDXDataset",
     "IDXFormatError",
+    "MicroBatchSampler",
     "Partition",
     "ShardedSampler",
     "download_mnist",

@@ -1,4 +1,4 @@
-"""Partitioning, a resumable distributed sampler and evaluation shards.
+"""Resumable distributed samplers and evaluation shards.
 
     train_set = ddptrain.data.mnist("data", train=True)            # offline, whole split in memory
     sampler = ShardedSampler(len(train_set), global_batch_size=256, seed=0)
@@ -24,73 +24,12 @@ Global batch k is the same set of samples at every world size; rank r takes its 
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, Sampler
-
-# Float sums such as 0.7 + 0.2 + 0.1 miss 1.0 by an ulp; they still mean "all of the data".
-_SUM_TOLERANCE = 1e-9
-
-
-def partition_indices(n: int, sizes: Sequence[float], seed: int = 1234) -> list[list[int]]:
-    """Shuffle range(n) with `seed` and cut it into disjoint parts of fractions `sizes`."""
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    sizes = [float(s) for s in sizes]
-    total = sum(sizes)
-    if not sizes or any(s < 0 for s in sizes) or total > 1 + _SUM_TOLERANCE:
-        raise ValueError(
-            f"sizes must be non-negative fractions summing to at most 1, got {sizes} "
-            f"(sum {total:.6g}); e.g. [0.5, 0.5] or [1 / world_size] * world_size"
-        )
-    indices = list(range(n))
-    # Python's Random, as the PyTorch distributed tutorial's DataPartitioner, so a seed gives
-    # the tutorial's partitions whenever each fraction times n is a whole number.
-    random.Random(seed).shuffle(indices)
-    # Cutting at rounded cumulative fractions (not int(frac * n) per part) loses no sample
-    # when the fractions sum to 1, and keeps each part within one sample of frac * n.
-    bounds, cumulative = [0], 0.0
-    for s in sizes:
-        cumulative += s
-        bounds.append(min(n, math.floor(cumulative * n + 0.5)))
-    if total >= 1 - _SUM_TOLERANCE:
-        bounds[-1] = n
-    return [indices[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-
-
-class Partition(Dataset):
-    """A view of `data` restricted to `indices`."""
-
-    def __init__(self, data: Any, indices: Sequence[int]):
-        self.data = data
-        self.indices = list(indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.data[self.indices[i]]
-
-
-class DataPartitioner:
-    """Split a dataset into seeded random parts: `DataPartitioner(ds, [0.5, 0.5]).use(rank)`."""
-
-    def __init__(self, data: Any, sizes: Sequence[float] = (0.7, 0.2, 0.1), seed: int = 1234):
-        self.data = data
-        self.partitions = partition_indices(len(data), sizes, seed)
-
-    def use(self, partition: int) -> Partition:
-        """The `partition`-th part as a dataset."""
-        if not 0 <= partition < len(self.partitions):
-            raise IndexError(
-                f"partition {partition} does not exist; there are {len(self.partitions)} "
-                f"(0 to {len(self.partitions) - 1})"
-            )
-        return Partition(self.data, self.partitions[partition])
+from torch.utils.data import Sampler
 
 
 def global_order(
@@ -196,6 +135,8 @@ class ShardedSampler(Sampler[int]):
         self.drop_last = drop_last
         self.epoch = 0
         self._consumed_samples = 0
+        # Global samples one batch (num_batches, mark_consumed) covers over every rank.
+        self.batch_samples = global_batch_size
 
     @property
     def per_rank_batch_size(self) -> int:
@@ -204,10 +145,11 @@ class ShardedSampler(Sampler[int]):
 
     @property
     def batches_per_epoch(self) -> int:
-        """Batches in a whole epoch (the same on every rank and at every world size)."""
-        if self.drop_last:
-            return self.dataset_len // self.global_batch_size
-        return math.ceil(self.dataset_len / self.global_batch_size)
+        """Batches in a whole epoch (the same on every rank)."""
+        steps = self.dataset_len // self.global_batch_size
+        if not self.drop_last:
+            steps = math.ceil(self.dataset_len / self.global_batch_size)
+        return steps * self.global_batch_size // self.batch_samples
 
     @property
     def consumed_samples(self) -> int:
@@ -217,13 +159,13 @@ class ShardedSampler(Sampler[int]):
     @property
     def num_batches(self) -> int:
         """Batches left in the current epoch from the current position."""
-        return self.batches_per_epoch - self._consumed_samples // self.global_batch_size
+        return self.batches_per_epoch - self._consumed_samples // self.batch_samples
 
     def __len__(self) -> int:
         return self.num_batches * self.per_rank_batch_size
 
-    def __iter__(self) -> Iterator[int]:
-        order = global_order(
+    def _order(self) -> list[int]:
+        return global_order(
             self.dataset_len,
             self.global_batch_size,
             epoch=self.epoch,
@@ -231,8 +173,10 @@ class ShardedSampler(Sampler[int]):
             shuffle=self.shuffle,
             drop_last=self.drop_last,
         )
+
+    def __iter__(self) -> Iterator[int]:
         # Built eagerly: the position is read when iteration starts, not at the first next().
-        return iter(order[self._consumed_samples + self.rank :: self.world_size])
+        return iter(self._order()[self._consumed_samples + self.rank :: self.world_size])
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch's order; a new epoch starts at its beginning, the current one stays put."""
@@ -250,11 +194,13 @@ class ShardedSampler(Sampler[int]):
                 f"{self.num_batches} batch(es) left; call set_epoch({self.epoch + 1}) "
                 "before the next epoch and mark_consumed() once per batch"
             )
-        self._consumed_samples += num_batches * self.global_batch_size
+        self._consumed_samples += num_batches * self.batch_samples
+
+    _state_keys = _STATE_KEYS
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch and global samples consumed, plus the settings that define the order."""
-        state = {key: getattr(self, key) for key in _STATE_KEYS}
+        state = {key: getattr(self, key) for key in self._state_keys}
         state.update(
             epoch=self.epoch,
             consumed_samples=self._consumed_samples,
@@ -264,18 +210,19 @@ class ShardedSampler(Sampler[int]):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at `state`'s epoch and position; the world size may differ."""
-        missing = [k for k in (*_STATE_KEYS, "epoch", "consumed_samples") if k not in state]
+        name = type(self).__name__
+        missing = [k for k in (*self._state_keys, "epoch", "consumed_samples") if k not in state]
         if missing:
-            raise KeyError(f"sampler state is missing {missing}; was it made by ShardedSampler?")
-        for key in _STATE_KEYS:
+            raise KeyError(f"sampler state is missing {missing}; was it made by {name}?")
+        for key in self._state_keys:
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"checkpointed sampler has {key}={state[key]!r} but this one has "
-                    f"{key}={getattr(self, key)!r}; construct ShardedSampler with "
+                    f"{key}={getattr(self, key)!r}; construct {name} with "
                     f"{key}={state[key]!r} to resume (it defines the sample order)"
                 )
         consumed = int(state["consumed_samples"])
-        full = self.batches_per_epoch * self.global_batch_size
+        full = self.batches_per_epoch * self.batch_samples
         if consumed % self.global_batch_size or not 0 <= consumed <= full:
             raise ValueError(
                 f"consumed_samples {consumed} is not a whole number of global batches of "
@@ -283,6 +230,64 @@ class ShardedSampler(Sampler[int]):
             )
         self.epoch = int(state["epoch"])
         self._consumed_samples = consumed
+
+
+class MicroBatchSampler(ShardedSampler):
+    """Per-rank indices of micro-batches that are the same samples at any world size: the
+    deterministic mode's sampler (TrainerConfig(deterministic=True, micro_batch_size=N)).
+
+    - The epoch's order is ShardedSampler's: `global_order(...)` padded (or cut) to whole
+      global batches of `global_batch_size` G, whatever the world size.
+    - Micro-batch k of global batch s is `order[s * G + k * N:][:N]`; rank r takes k = r,
+      r + world_size, ...: its j-th micro-batch of a step is k = j * world_size + r.
+    - A "batch" here (num_batches, mark_consumed) is one round of world_size micro-batches,
+      one per rank; a step is G / (N * world_size) rounds. The position is counted in global
+      samples, so `state_dict()` loads at any world size that divides G / N.
+    """
+
+    _state_keys = (*_STATE_KEYS, "micro_batch_size")
+
+    def __init__(
+        self,
+        dataset_len: int,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ):
+        _, ranks = _rank_and_world(rank, world_size)
+        micro_batches = global_batch_size // micro_batch_size
+        if micro_batch_size < 1 or global_batch_size % micro_batch_size or micro_batches % ranks:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} is not micro-batches of "
+                f"{micro_batch_size} that {ranks} ranks can share evenly"
+            )
+        super().__init__(
+            dataset_len,
+            global_batch_size=global_batch_size,
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        self.micro_batch_size = micro_batch_size
+        self.batch_samples = micro_batch_size * self.world_size
+
+    @property
+    def per_rank_batch_size(self) -> int:
+        """Samples per micro-batch on this rank."""
+        return self.micro_batch_size
+
+    def __iter__(self) -> Iterator[int]:
+        order, n = self._order(), self.micro_batch_size
+        start = self._consumed_samples + self.rank * n
+        mine = [order[a : a + n] for a in range(start, len(order), self.batch_samples)]
+        return iter([i for micro_batch in mine for i in micro_batch])
 
 
 class EvalSampler(Sampler[int]):

@@ -105,14 +105,16 @@ def build_layout(
     allocate: Callable[[int, torch.dtype, torch.device], torch.Tensor],
     as_view: bool,
     tail: int = 0,
+    bucket_dtype: torch.dtype | None = None,
 ) -> BucketLayout:
     """Buckets for `params` taken in `order` (assign_buckets), each allocated by `allocate`
     (numel, dtype, device); `as_view`: gradients may live in their slots; `tail`: elements
-    the last bucket holds after its gradients, reduced with them (the reducer's flags)."""
+    the last bucket holds after its gradients, reduced with them (the reducer's flags);
+    `bucket_dtype`: every bucket in this dtype (the exact mode's int64), not the parameters'."""
     ordered = [params[i] for i in order]
     buckets = assign_buckets(
-        [p.numel() * p.element_size() for p in ordered],
-        [(p.dtype, p.device) for p in ordered],
+        [p.numel() * (bucket_dtype or p.dtype).itemsize for p in ordered],
+        [(bucket_dtype or p.dtype, p.device) for p in ordered],
         cap_bytes,
         first_cap_bytes,
     )
@@ -127,7 +129,7 @@ def build_layout(
         # summed over ranks without an extra collective.
         extra = tail if b == len(members) - 1 else 0
         first = params[indices[0]]
-        flat = allocate(numel + extra, first.dtype, first.device)
+        flat = allocate(numel + extra, bucket_dtype or first.dtype, first.device)
         offset = 0
         for i in indices:
             views[i] = view_like(flat[offset : offset + params[i].numel()], params[i])
@@ -175,6 +177,21 @@ def fill_slot(
             scratch = torch.empty(CAST_CHUNK, dtype=grad.dtype, device=grad.device)
         scale_into_narrower(grad, 1.0 / divisor, view, scratch)
     return scratch
+
+
+def will_accumulate(grad_acc: Any) -> bool:
+    """Whether the running backward will accumulate into .grad through this AccumulateGrad."""
+    try:
+        return torch._C._will_engine_execute_node(grad_acc)
+    except RuntimeError:
+        # torch refuses the question for a leaf during torch.autograd.grad(), which returns
+        # gradients and accumulates none.
+        return False
+
+
+def has_other_hooks(param: torch.Tensor) -> bool:
+    """Hooks besides the wrapper's that would see a gradient before the wrapper scales it."""
+    return bool(param._backward_hooks) or len(param._post_accumulate_grad_hooks or ()) > 1
 
 
 def view_like(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -228,9 +245,10 @@ class Bucket:
 
     Its verbs, in the order of a step: `arrived` (one more slot filled; True when all are),
     `launch` (its reduction queued on the runner), `wait` (the mean is in the flat tensor),
-    `reset` (ready for the next step)."""
+    `reset` (ready for the next step). The comm hook gets a fresh GradBucket at each launch:
+    torch's hooks may rebind its buffer (set_buffer), never the bucket's own tensor."""
 
-    __slots__ = ("grad_bucket", "job", "members", "pending")
+    __slots__ = ("flat", "gradients", "index", "is_last", "job", "members", "params", "pending")
 
     def __init__(
         self,
@@ -241,16 +259,15 @@ class Bucket:
         params: list[torch.Tensor],
         is_last: bool,
     ) -> None:
-        gradients, own = [views[i] for i in members], [params[i] for i in members]
-        # What the comm hook is handed; for a transport the last one ends with the tail.
-        self.grad_bucket = GradBucket(index, flat, gradients, own, is_last)
-        self.members = members
+        self.index, self.flat, self.members, self.is_last = index, flat, members, is_last
+        self.gradients = [views[i] for i in members]
+        self.params = [params[i] for i in members]
         self.pending = len(members)
         self.job: Job | None = None
 
-    @property
-    def flat(self) -> torch.Tensor:
-        return self.grad_bucket.buffer()
+    def grad_bucket(self) -> GradBucket:
+        """What the comm hook is handed; for a transport the last one ends with the tail."""
+        return GradBucket(self.index, self.flat, self.gradients, self.params, self.is_last)
 
     def arrived(self) -> bool:
         """One more of its gradients is in its slot; True once every one is."""
@@ -259,12 +276,13 @@ class Bucket:
 
     def launch(
         self, runner: OrderedRunner, reduce: Callable[[GradBucket], Any], wait_at_once: bool
-    ):
+    ) -> None:
         """Queue its reduction; `wait_at_once`: the caller waits now, so it runs it itself."""
-        self.job = runner.submit(reduce, self.grad_bucket, wake=not wait_at_once)
+        self.job = runner.submit(reduce, self.grad_bucket(), wake=not wait_at_once)
 
     def wait(self) -> None:
-        """Wait for the reduction; the bucket's flat tensor then holds the mean."""
+        """Wait for the reduction; the bucket's flat tensor then holds the mean (what the
+        hook's future returned, copied in, converted from its dtype, if it is another tensor)."""
         result = self.job.wait()
         if result is not None and result.data_ptr() != self.flat.data_ptr():
             self.flat.copy_(result.view(-1))

@@ -3,6 +3,7 @@
     shift = fixed_point_shift(reference)          # per parameter, from an agreed magnitude
     acc = torch.zeros(numel, dtype=torch.int64)   # the accumulator (a bucket slot)
     overflowed = add_fixed(acc, grad, shift)      # acc += round(grad * 2**shift), exactly
+    peak = add_fixed_float(acc64, grad, shift, room)   # the same in float64 (CPU: faster)
     ... acc summed over ranks by any all_reduce: integer addition is associative ...
     mean_from_fixed(acc, shift, count, grad)      # grad = acc * 2**-shift / count, rounded
     norm = exact_norm(grads, group)               # the same bits however the grads are split
@@ -26,20 +27,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddptrain.ddp.buckets import memory_format, memory_order
+
 # A term may be this many powers of two above the reference before it overflows.
 HEADROOM_BITS = 16
 # Up to 2**COUNT_BITS terms (micro-batches summed over every rank) in one accumulator.
 COUNT_BITS = 12
 # Bits of an int64 the magnitudes may use (one spare below the sign bit).
 _VALUE_BITS = 62
-# Elements per piece converted at once: the scratch buffers stay in cache.
-_PIECE = 1 << 16
+# Integers a float64 holds exactly, sums of them included.
+FLOAT_EXACT = 2.0**53
+# Elements per piece converted at once: the piece stays in cache across its operations, and
+# each operation is long enough that its dispatch costs little.
+_PIECE = 1 << 18
 
 
 def fixed_point_shift(reference: float) -> int:
     """The power of two a gradient is scaled by before rounding: values up to
-    reference * 2**HEADROOM_BITS, summed 2**COUNT_BITS times, still fit in 62 bits. A zero or
-    non-finite reference gets the shift of 1.0."""
+    reference * 2**HEADROOM_BITS, summed 2**COUNT_BITS times, still fit in 62 bits. A zero
+    (micro-batch 0 did not reach the parameter) or non-finite reference counts as 1.0."""
     if not math.isfinite(reference) or reference <= 0:
         reference = 1.0
     exponent = math.frexp(reference)[1]  # reference < 2**exponent
@@ -51,35 +57,100 @@ def term_bound(shift: int) -> float:
     return math.ldexp(1.0, _VALUE_BITS - COUNT_BITS - shift)
 
 
-def add_fixed(acc: torch.Tensor, grad: torch.Tensor, shift: int) -> bool:
-    """acc += round(grad * 2**shift) (acc: int64, grad's shape or flat); True if a term was
-    out of range (it was clipped to the bound; the sum is then not to be used)."""
-    flat = grad.detach().reshape(-1)
-    target = acc.view(-1)
+def _flat_pair(acc: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """grad and acc as 1-D views with their elements in the same order (acc's layout)."""
+    grad = grad.detach()
+    if grad.stride() != acc.stride():
+        grad = grad.contiguous(memory_format=memory_format(acc))
+    if acc.is_contiguous():
+        return grad.view(-1), acc.view(-1)
+    return memory_order(grad), memory_order(acc)
+
+
+def add_fixed(
+    acc: torch.Tensor, grad: torch.Tensor, shift: int, *, first: bool = False
+) -> torch.Tensor:
+    """acc += round(grad * 2**shift) (acc: int64, grad's shape, any dense layout; `first`:
+    acc = ..., whatever it held). Returns a 0-dim bool tensor, True if a term was out of
+    range: it was clipped to the bound and the sum is not to be used (a tensor, so that an
+    accelerator never waits for it)."""
+    flat, target = _flat_pair(acc, grad)
+    if not flat.numel():
+        return torch.zeros((), dtype=torch.bool, device=acc.device)
     bound = term_bound(shift)
-    overflow = bool(flat.numel()) and not torch.linalg.vector_norm(flat, math.inf) <= bound
+    lo, hi = torch.aminmax(flat)
+    # Written so that NaN counts as out of range.
+    overflow = torch.logical_not((lo >= -bound) & (hi <= bound))
     scale = math.ldexp(1.0, shift)
-    scaled = torch.empty(min(_PIECE, flat.numel()), dtype=torch.float64, device=flat.device)
-    ints = torch.empty(scaled.numel(), dtype=torch.int64, device=flat.device)
+    limit = bound * scale
     for start in range(0, flat.numel(), _PIECE):
-        piece = flat[start : start + _PIECE]
-        n = piece.numel()
         # float64 holds every float32 times a power of two exactly; round half to even.
-        s = scaled[:n]
-        s.copy_(piece).mul_(scale)
-        if overflow:
-            s.clamp_(-bound * scale, bound * scale)
-        s.round_()
-        ints[:n].copy_(s)
-        target[start : start + n].add_(ints[:n])
+        piece = flat[start : start + _PIECE].to(torch.float64)
+        piece.mul_(scale).clamp_(-limit, limit).round_()
+        out = target[start : start + piece.numel()]
+        if first:
+            out.copy_(piece)
+        else:
+            out.add_(piece.to(torch.int64))
     return overflow
+
+
+def add_fixed_float(
+    acc: torch.Tensor,
+    grad: torch.Tensor,
+    shift: int,
+    room: float,
+    *,
+    first: bool = False,
+    last: bool = False,
+) -> float | None:
+    """acc += round(grad * 2**shift) with acc float64 holding integers, if every term's
+    magnitude is within `room` and the term bound; returns the largest, or None (acc and grad
+    left as they were: add_fixed is the way then). The caller keeps every partial sum within
+    FLOAT_EXACT, so each add is exact and the sum independent of order, as in int64; on a CPU,
+    float64's conversions and adds cost about a third of int64's. `first`: acc = ..., whatever
+    it held; `last`: the sum is written as int64 into acc's memory (float_to_fixed's result).
+    grad (float32 or float64) is consumed: it is scaled and rounded in place, no scratch."""
+    if grad.dtype not in (torch.float32, torch.float64) or not -126 <= shift <= 127:
+        return None  # a power of two outside float32's range: add_fixed works in float64
+    flat, target = _flat_pair(acc, grad)
+    if not flat.numel():
+        return 0.0
+    lo, hi = (v.item() for v in torch.aminmax(flat))
+    peak = math.ldexp(max(-lo, hi), shift)
+    # Written so that NaN fails it.
+    if not (peak <= room and peak <= math.ldexp(term_bound(shift), shift)):
+        return None
+    scale = math.ldexp(1.0, shift)
+    ints = target.view(torch.int64)
+    for start in range(0, flat.numel(), _PIECE):
+        # A float32 times a power of two it can hold is exact; round half to even.
+        piece = flat[start : start + _PIECE].mul_(scale).round_()
+        n = piece.numel()
+        if first:
+            target[start : start + n].copy_(piece)
+        else:
+            target[start : start + n].add_(piece)
+        if last:
+            # Same-size elements: each is read before it is overwritten in place.
+            ints[start : start + n].copy_(target[start : start + n])
+    return peak
+
+
+def float_to_fixed(acc: torch.Tensor) -> torch.Tensor:
+    """The int64 view of a float64 accumulator of integers (each |value| <= FLOAT_EXACT),
+    converted in place."""
+    flat = memory_order(acc)
+    # Same-size elements: each is read before it is overwritten.
+    flat.view(torch.int64).copy_(flat)
+    return acc.view(torch.int64)
 
 
 def mean_from_fixed(acc: torch.Tensor, shift: int, count: int, out: torch.Tensor) -> None:
     """out = acc * 2**-shift / count, each element rounded to out's dtype (every rank, every
-    world size: the same bits from the same sum)."""
-    flat_out = out.view(-1) if out.is_contiguous() else None
-    source = acc.view(-1)
+    world size: the same bits from the same sum); out and acc share one dense layout."""
+    flat_out = memory_order(out) if out.stride() == acc.stride() else None
+    source = memory_order(acc)
     scale = math.ldexp(1.0, -shift)
     piece = torch.empty(min(_PIECE, source.numel()), dtype=torch.float64, device=acc.device)
     result = []
@@ -108,7 +179,7 @@ def exact_norm(
     peak = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         if g.numel():
-            peak = torch.maximum(peak, torch.linalg.vector_norm(g.detach(), math.inf).double())
+            peak = torch.maximum(peak, g.detach().abs().amax().double())
     # NaN does not survive a MAX on every backend: as inf it does, and wins.
     peak = torch.nan_to_num(peak, nan=math.inf, posinf=math.inf)
     if sharded and dist.get_world_size(group) > 1:

@@ -81,13 +81,20 @@ class GradBucket:
         return self._is_last
 
     def set_buffer(self, buffer: torch.Tensor) -> None:
-        """Replace the bucket's contents with `buffer` (same size), as torch's does: a copy,
-        since the gradients are views of the bucket's own tensor."""
+        """Make `buffer` (same size, any dtype) the bucket's buffer(), as torch's does: torch's
+        compress wrappers reduce a narrower copy this way. The wrapper copies what the hook's
+        future returns back into its own bucket, whatever tensor that is."""
         if buffer.numel() != self._buffer.numel():
             raise ValueError(
                 f"set_buffer got {buffer.numel()} elements for a bucket of {self._buffer.numel()}"
             )
-        self._buffer.copy_(buffer.view(-1))
+        old, new = self._buffer, buffer.view(-1)
+        # gradients() are slices of the buffer they belong to, as torch's are.
+        self._gradients = [
+            new[g.storage_offset() - old.storage_offset() :][: g.numel()].view(g.shape)
+            for g in self._gradients
+        ]
+        self._buffer = new
 
 
 class Transport(ABC):
@@ -96,7 +103,11 @@ class Transport(ABC):
     `reduce` receives a bucket whose buffer holds gradients already divided by the number of
     ranks contributing (and, in the last bucket, flags to sum) and leaves the SUM over ranks in
     it before returning. It runs one bucket at a time, in bucket order, on every rank.
+    `sums_exactly`: an int64 bucket's sum is exact (the deterministic mode's need); a transport
+    that casts the bucket says False.
     """
+
+    sums_exactly = True
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed bucket of `numel` elements (collective where the transport shares memory)."""

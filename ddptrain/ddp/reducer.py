@@ -3,7 +3,7 @@
     reducer = Reducer(params, names, group, buffers, cap_bytes, first_cap_bytes, as_view, True)
     reducer.use_hook(state, hook)                # torch's hook(state, bucket) -> Future
     reducer.prepare_for_forward(True, False)     # a synchronized backward follows
-    loss.backward()                              # hooks -> Bucket.fill -> launch -> finalize
+    loss.backward()                              # hooks -> fill, arrived -> launch -> finalize
     reducer.reduce_gradients()                   # the same from .grad, with no backward
     reducer.carry(1)                             # extension point: summed over ranks with the
     reducer.carried                              # next reduction, at no collective of its own
@@ -34,7 +34,14 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from ddptrain.ddp.buckets import Bucket, build_layout, fill_slot, zeros
+from ddptrain.ddp.buckets import (
+    Bucket,
+    build_layout,
+    fill_slot,
+    has_other_hooks,
+    will_accumulate,
+    zeros,
+)
 from ddptrain.ddp.hooks import (
     CommHook,
     GradBucket,
@@ -71,6 +78,8 @@ class Phase(enum.Enum):
 class Reducer:
     """Buckets, the per-parameter hooks and one synchronized backward's reductions."""
 
+    bucket_dtype: torch.dtype | None = None  # None: the parameters' (ddp/deterministic.py: int64)
+
     def __init__(
         self,
         params: list[torch.Tensor],
@@ -92,8 +101,7 @@ class Reducer:
         self.sync = True
         self.phase = Phase.IDLE
         self.synchronized_once = False
-        # Seconds the last synchronized backward waited for its buckets after autograd was
-        # done: the communication that overlap did not hide (the Trainer logs it as comm_s).
+        # Seconds the last synchronized backward waited for its buckets after autograd was done.
         self.last_comm_wait_s = 0.0
         self._carry_value = 0
         self.carried: int | None = None
@@ -143,16 +151,20 @@ class Reducer:
         self._carry_value, self.carried = int(value), None
 
     # ----------------------------------------------------------------------------- buckets
+    def _tail_values(self) -> list[int]:
+        """What the last bucket's tail carries: the used flags, then the carried value."""
+        return [*self.used, self._carry_value]
+
     def _build_buckets(self, order: list[int]) -> None:
         transport = self.transport
-        n = len(self.params)
         layout = build_layout(
             self.params,
             order,
             *self._caps,
             transport.allocate if transport is not None else zeros,
             self._as_view,
-            tail=n + 1 if transport is not None else 0,
+            tail=len(self._tail_values()) if transport is not None else 0,
+            bucket_dtype=self.bucket_dtype,
         )
         self.bucket_order = layout.order
         self._views = layout.views
@@ -206,18 +218,12 @@ class Reducer:
             raise RuntimeError(
                 f"gradient of '{self.names[index]}' became ready twice in one backward"
             )
-        if param.grad is not None and param.grad.requires_grad:
-            raise RuntimeError(
-                "backward(create_graph=True) is not supported under DistributedDataParallel "
-                "(nor under torch's): averaged gradients are written into buckets outside "
-                "autograd. For a gradient penalty, take torch.autograd.grad(loss, params, "
-                "create_graph=True), add the penalty to the loss, then call backward() on it"
-            )
+        refuse_create_graph(param.grad)
         self.ready[index] = True
         if self._ready_order is not None:
             self._ready_order.append(index)
         bucket = self._bucket_of[index]
-        with span("ddptrain.fill bucket", bucket.grad_bucket.index()):
+        with span("ddptrain.fill bucket", bucket.index):
             self._fill(index, param.grad)
         if self._grad_is_view[index]:
             # Point .grad at its slot now, not when backward ends: autograd's private gradient
@@ -257,8 +263,7 @@ class Reducer:
         while self._next_bucket <= last and self.buckets[self._next_bucket].pending == 0:
             b = self._next_bucket
             if b == last and self._tail is not None:
-                tail = [*self.used, self._carry_value]
-                self._tail.copy_(torch.tensor(tail, dtype=self._tail.dtype))
+                self._tail.copy_(torch.tensor(self._tail_values(), dtype=self._tail.dtype))
             with span("ddptrain.launch bucket", b):
                 # The last bucket is waited for as soon as backward ends: the waiting thread
                 # runs it, sparing two thread wake-ups on the critical path.
@@ -380,21 +385,16 @@ class Reducer:
                 new.copy_(old)
 
 
+def refuse_create_graph(grad: torch.Tensor | None) -> None:
+    if grad is not None and grad.requires_grad:
+        raise RuntimeError(
+            "backward(create_graph=True) is not supported under DistributedDataParallel (nor "
+            "under torch's): averaged gradients are written into buckets outside autograd. For "
+            "a gradient penalty, take torch.autograd.grad(loss, params, create_graph=True), add "
+            "the penalty to the loss, then call backward() on it"
+        )
+
+
 def _on_device(tensor: torch.Tensor) -> Any:
     """The tensor's CUDA device as current (on the communication thread), else nothing."""
     return torch.cuda.device(tensor.device) if tensor.is_cuda else _OFF
-
-
-def will_accumulate(grad_acc: Any) -> bool:
-    """Whether the running backward will accumulate into .grad through this AccumulateGrad."""
-    try:
-        return torch._C._will_engine_execute_node(grad_acc)
-    except RuntimeError:
-        # torch refuses the question for a leaf during torch.autograd.grad(), which returns
-        # gradients and accumulates none.
-        return False
-
-
-def has_other_hooks(param: torch.Tensor) -> bool:
-    """Hooks besides the wrapper's that would see a gradient before the wrapper scales it."""
-    return bool(param._backward_hooks) or len(param._post_accumulate_grad_hooks or ()) > 1

@@ -11,6 +11,7 @@
     loss_fn(model(x2), y2).backward()                # reduces the accumulated sum
 
     model.register_comm_hook(state, hook)            # torch's hook protocol (ddp/hooks.py)
+    ddptrain.DDP(net, deterministic=True)            # the same bits at any world size (exact.py)
     with Join([model, optimizer]): ...               # torch's Join: uneven inputs (ddp/join.py)
 
 This module is the wrapper as torch's users meet it: construction (torch's arguments, checks,
@@ -24,6 +25,7 @@ the replica checks are replicas.py's.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,6 +74,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     - With `gradient_as_bucket_view=True` (default) each `.grad` is a view into its bucket
       after backward; `zero_grad(set_to_none=True)` and `zero_grad(set_to_none=False)` both work.
     - No parameters are added after wrapping; one forward is followed by at most one backward.
+    - With `deterministic=True` (ddp/deterministic.py) `.grad` is instead the mean over every rank's
+      micro-batches since the last synchronized backward (one forward and backward each, the
+      same number on every rank), with the same bits at any world size.
     """
 
     def __init__(
@@ -100,6 +105,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         first_bucket_cap_mb: float | None = None,
         comm_hook: tuple[object, CommHook] | None = None,
         rebuild_buckets: bool = True,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -145,7 +151,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             verify_same_model(self._named_params, list(module.named_buffers()), self.process_group)
             self.sync_from(0)
         trained = [(n, p) for n, p in self._named_params if p.requires_grad]
-        self.reducer = Reducer(
+        reducer: Any = Reducer
+        if deterministic:
+            # The exact mode, in a module of its own: read only by those who ask for it.
+            from ddptrain.ddp.deterministic import ExactReducer
+
+            reducer = functools.partial(ExactReducer, module)
+        self.reducer = reducer(
             [p for _, p in trained],
             [n for n, _ in trained],
             self.process_group,
@@ -199,7 +211,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # On the CPU, large Linear layers may compute their gradients straight into their
         # bucket slots (ddptrain/cpu/linear_slots.py), where .grad is the slot itself.
         self._forward_mode = None
-        if self.gradient_as_bucket_view:
+        if self.gradient_as_bucket_view and type(self.reducer) is Reducer:
             self._forward_mode = cpu_forward_mode(self.module, self.reducer.claim_slot)
 
     @property

@@ -5,6 +5,7 @@
     optim_state = full_optim_state_dict(model, opt)       # collective: the plain optimizer's
     load_full_optim_state_dict(model, opt, optim_state)   # each rank keeps its pieces
     norm = whole_grad_norm(model)                   # collective: the whole gradient's norm
+    clip_whole_grad_norm(model, max_norm=1.0)       # collective: ... and clipping to it
 
 The saved layouts are those of the unwrapped module and of the same optimizer built on it: keys
 and shapes as `module.state_dict()`, state keyed by parameter index in `param_groups` order with
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ddptrain.ddp.exact import exact_norm
 from ddptrain.fsdp.unit import Unit, all_gather_single, in_memory_order
 
 if TYPE_CHECKING:
@@ -194,7 +196,8 @@ def _copy(value: Any) -> Any:
 def whole_grad_norm(model: FullyShardedDataParallel, norm_type: float = 2.0) -> torch.Tensor:
     """Collective: the norm of the whole gradient from every rank's shards (the sum of their
     p-th powers, or their max for the inf-norm), summed in float64."""
-    grads = [s.grad for u in model.units for s in u.shards if s.grad is not None]
+    # A shard can hold none of a parameter's elements: torch's inf-norm refuses empty tensors.
+    grads = [s.grad for u in model.units for s in u.shards if s.grad is not None and s.numel()]
     local = torch.nn.utils.get_total_norm(grads, norm_type)
     if model.world_size == 1:
         return local
@@ -204,3 +207,20 @@ def whole_grad_norm(model: FullyShardedDataParallel, norm_type: float = 2.0) -> 
     powered = local.double() ** norm_type
     dist.all_reduce(powered, group=model.process_group)
     return (powered ** (1.0 / norm_type)).to(local.dtype)
+
+
+def clip_whole_grad_norm(
+    model: FullyShardedDataParallel, max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Collective: scale every shard's gradient so the whole gradient's norm is at most
+    max_norm; the norm before clipping (the 2-norm: exact_norm, whose bits do not depend on
+    how the gradient is split)."""
+    shards = [s for u in model.units for s in u.shards if s.grad is not None]
+    if norm_type == 2.0:
+        numel = sum(u.numel for u in model.units)
+        grads, group = [s.grad for s in shards], model.process_group
+        total = exact_norm(grads, group, sharded=True, numel=numel)
+    else:
+        total = whole_grad_norm(model, norm_type)
+    torch.nn.utils.clip_grads_with_norm_(shards, max_norm, total)
+    return total

@@ -62,9 +62,9 @@ class Unit:
         self.layout = flat_layout([p.numel() for p in params], world_size)
         self.dtype, self.device = params[0].dtype, params[0].device
         # Each rank's pieces (reduce-scatter fills every rank's part) and the gaps between them.
-        self._pieces = [self.layout.pieces(r) for r in range(world_size)]
-        self._gaps = [self.layout.gaps(r) for r in range(world_size)]
-        self.pieces = self._pieces[rank]
+        self.all_pieces = [self.layout.pieces(r) for r in range(world_size)]
+        self.all_gaps = [self.layout.gaps(r) for r in range(world_size)]
+        self.pieces = self.all_pieces[rank]
         # Dense parameters (channels_last too) keep their strides: shards hold memory order.
         self.strides = [torch.empty_like(p).stride() for p in params]
         self.shard_flat = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
@@ -164,7 +164,7 @@ class Unit:
             used.append(1.0 if grad is not None else 0.0)
             flat_grad = None if grad is None else in_memory_order(grad, self.strides[j])
             for rank in range(ws):
-                _, a, b, at = self._pieces[rank][j]
+                _, a, b, at = self.all_pieces[rank][j]
                 target = parts[rank, at : at + b - a]
                 if flat_grad is None:
                     target.zero_()
@@ -172,7 +172,7 @@ class Unit:
                     # Scaling while copying, as the DDP wrapper's buckets do (buckets.fill_slot).
                     torch.mul(flat_grad[a:b], 1.0 / ws, out=target)
             full.grad = None  # the whole gradient is copied: free it now, not at the step's end
-        for rank, gaps in enumerate(self._gaps):
+        for rank, gaps in enumerate(self.all_gaps):
             for start, stop in gaps:
                 parts[rank, start:stop].zero_()
         parts[:, shard_numel:] = torch.tensor(used, dtype=self.dtype)

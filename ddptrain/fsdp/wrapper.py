@@ -7,6 +7,7 @@
     opt.step()                           # steps this rank's shards only
     state = model.state_dict()           # collective: whole tensors, the plain module's keys
     optim_state = model.optim_state_dict(opt)   # collective: the plain optimizer's layout
+    ddptrain.FSDP(net, deterministic=True)      # the same bits at any world size (as DDP's)
 
 Every parameter is kept as world_size shards, one per rank (fsdp/unit.py); between steps the
 module holds this rank's shard as each parameter, so an optimizer built on model.parameters()
@@ -32,17 +33,16 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ddptrain.ddp.exact import exact_norm
 from ddptrain.ddp.hooks import close_at_shutdown, new_group_like, release_group
 from ddptrain.ddp.replicas import ModelBuffers, broadcast_coalesced, coalesce, verify_same_model
 from ddptrain.fsdp import state
+from ddptrain.fsdp.deterministic import ExactGradients
 from ddptrain.fsdp.layout import DEFAULT_UNIT_MIN_NUMEL, choose_units, group_parameters
 from ddptrain.fsdp.passes import Pass, PostBackward, check_no_late_gradients, check_same_order
 from ddptrain.fsdp.unit import Unit
 
-# Reduce-scatters in flight at once: each holds a unit-sized send buffer. One overlaps the next
-# unit's backward; the one after it waits for it, so the gradient memory of a backward stays
-# near one shard plus two units (the one computing, the one travelling).
+# Reduce-scatters in flight at once, each holding a unit-sized send buffer: a backward's gradient
+# memory stays near one shard plus two units (the one computing, the one travelling).
 MAX_REDUCING = 1
 
 
@@ -60,7 +60,8 @@ class FullyShardedDataParallel(nn.Module):
       first forward); one forward is followed by at most one backward.
     - When backward returns outside no_sync(), each shard's .grad holds its piece of the mean
       gradient over ranks (added to what it held); a parameter no rank got a gradient for keeps
-      its .grad (None after zero_grad), as under the DDP wrapper.
+      its .grad (None after zero_grad), as under the DDP wrapper. deterministic=True: the mean
+      over every rank's micro-batches instead, the DDP wrapper's bits (fsdp/deterministic.py).
     - state_dict(), optim_state_dict(), summon_full_params(), grad_norm() and clip_grad_norm_()
       are collective; load_state_dict() and load_optim_state_dict() are not.
     - Parameters keep their storage after wrapping (no `p.data = ...`, no `.to()`).
@@ -75,6 +76,7 @@ class FullyShardedDataParallel(nn.Module):
         unit_min_numel: int = DEFAULT_UNIT_MIN_NUMEL,
         reshard_after_forward: bool = True,
         broadcast_buffers: bool = True,
+        deterministic: bool = False,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -95,9 +97,8 @@ class FullyShardedDataParallel(nn.Module):
             broadcast_coalesced(coalesce(list(module.buffers())), process_group)
         unit_modules = choose_units(module, units, unit_min_numel)
         groups = group_parameters(module, unit_modules)
-        # Gathers and reduce-scatters each on a group of their own: each group's collectives
-        # are issued in an order every rank agrees on (forward order; reduce order), and a
-        # SyncBatchNorm's collectives on the model's group never pair with theirs.
+        # Gathers and reduce-scatters each on a group of their own, in an order every rank
+        # agrees on; a SyncBatchNorm's collectives on the model's group never pair with theirs.
         self._gather_group = new_group_like(process_group)
         self._reduce_group = new_group_like(process_group)
         close_at_shutdown(self.close)
@@ -114,6 +115,7 @@ class FullyShardedDataParallel(nn.Module):
             )
             unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
         self._model_buffers = ModelBuffers(module, process_group)
+        self.exact = ExactGradients(module, process_group) if deterministic else None
         self.require_backward_grad_sync = True
         self.last_comm_wait_s = 0.0
         self._pass = Pass(sync=True)
@@ -206,9 +208,8 @@ class FullyShardedDataParallel(nn.Module):
         position = p.gather_position.get(id(unit))
         if position is None:
             return  # still gathered since its forward
-        # Gathers are issued in gather_order on every rank, even for a unit whose backward
-        # does not run here, so that they pair up with the other ranks'; the one after this
-        # unit is prefetched.
+        # Gathers are issued in gather_order on every rank, even for a unit whose backward does
+        # not run here, so that they pair with the other ranks'; the next one is prefetched.
         self._issue_gathers(p, position + 2)
         unit.wait()
         unit.use_full()
@@ -217,6 +218,8 @@ class FullyShardedDataParallel(nn.Module):
         if not p.callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             p.callback_queued = True
+            if self.exact is not None:
+                self.exact.backward_started()
 
     def _issue_gathers(self, p: Pass, count: int) -> None:
         """Start the gathers of the first `count` units of gather_order not yet started."""
@@ -239,12 +242,24 @@ class FullyShardedDataParallel(nn.Module):
         while p.reduced < len(p.reduce_order) and id(p.reduce_order[p.reduced]) in p.ready:
             unit = p.reduce_order[p.reduced]
             p.reduced += 1
+            if self.exact is not None and unit.trainable:
+                self.exact.accumulate(unit)
             if not (p.sync and unit.trainable):
                 continue  # no_sync(): the whole gradients stay, to be added to next time
             while len(p.reducing) >= MAX_REDUCING:
-                p.reducing.pop(0).finish_gradients()
-            unit.reduce_gradients()
+                self._finish(p.reducing.pop(0))
+            if self.exact is not None:
+                self.exact.reduce(unit)
+            else:
+                unit.reduce_gradients()
             p.reducing.append(unit)
+
+    def _finish(self, unit: Unit) -> None:
+        """Wait for a unit's reduce-scatter; its shards' .grad hold their piece of the mean."""
+        if self.exact is not None:
+            self.exact.finish(unit)
+        else:
+            unit.finish_gradients()
 
     def _end_backward(self) -> None:
         """Queued on the autograd engine: reduce what did not report, wait for every
@@ -255,9 +270,11 @@ class FullyShardedDataParallel(nn.Module):
         self._issue_gathers(p, len(p.gather_order))
         started = time.perf_counter()
         while p.reducing:
-            p.reducing.pop(0).finish_gradients()
+            self._finish(p.reducing.pop(0))
         self.last_comm_wait_s = time.perf_counter() - started
         self._end_pass()
+        if p.sync and self.exact is not None:
+            self.exact.end_step()
         if p.sync:
             check_no_late_gradients(self.units)
 
@@ -281,17 +298,15 @@ class FullyShardedDataParallel(nn.Module):
     def register_comm_hook(self, state: object, hook: Any) -> None:
         """Refused: a comm hook reduces whole buckets; here each rank receives only its shard."""
         raise RuntimeError(
-            "FullyShardedDataParallel reduce-scatters gradients, so a DDP comm hook (which "
-            "all-reduces whole buckets) has nothing to act on; use the DDP wrapper "
-            "(zero_stage 0 or 1) for comm hooks"
+            "FullyShardedDataParallel reduce-scatters gradients: a DDP comm hook (which reduces "
+            "whole buckets) has nothing to act on; use the DDP wrapper (zero_stage 0 or 1)"
         )
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: a joined rank cannot answer the gathers of units it would not run."""
         raise RuntimeError(
-            "uneven inputs (torch's Join) are not supported under FullyShardedDataParallel: "
-            "every forward gathers parameters from every rank. Give every rank the same number "
-            "of batches (ddptrain.ShardedSampler), or use the DDP wrapper"
+            "uneven inputs (torch's Join) are not supported under FullyShardedDataParallel: every "
+            "forward gathers from every rank. Give every rank the same number of batches"
         )
 
     # ----------------------------------------------------------------------------- whole
@@ -350,17 +365,9 @@ class FullyShardedDataParallel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Collective: scale every shard's gradient so the whole gradient's norm is at most
-        max_norm; returns the norm before clipping. The 2-norm is the exact one
-        (ddp/exact.py): the same bits as the DDP wrapper's at any world size."""
-        shards = [s for u in self.units for s in u.shards if s.grad is not None]
-        if norm_type == 2.0:
-            numel = sum(u.numel for u in self.units)
-            group = self.process_group
-            total = exact_norm([s.grad for s in shards], group, sharded=True, numel=numel)
-        else:
-            total = self.grad_norm(norm_type)
-        torch.nn.utils.clip_grads_with_norm_(shards, max_norm, total)
-        return total
+        max_norm; returns the norm before clipping (the 2-norm: the exact one, the same bits
+        as the DDP wrapper's at any world size)."""
+        return state.clip_whole_grad_norm(self, max_norm, norm_type)
 
     def _require_between_steps(self, what: str) -> None:
         if not self._pass.done:
@@ -386,6 +393,8 @@ class FullyShardedDataParallel(nn.Module):
         release_group(self._gather_group)
         release_group(self._reduce_group)
         self._gather_group = self._reduce_group = None
+        if self.exact is not None:
+            self.exact.close()
 
 
 FSDP = FullyShardedDataParallel

@@ -12,15 +12,17 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing as mp
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ddptrain.comm import named_hook
-from ddptrain.data import ShardedSampler
+from ddptrain.data import MicroBatchSampler, ShardedSampler
 from ddptrain.data.loader import batch_loader
 from ddptrain.ddp.buckets import DEFAULT_FIRST_BUCKET_CAP_MB
 from ddptrain.ddp.hooks import CommHook, module_on_cpu
@@ -68,7 +70,10 @@ def wrap_model(
     if cfg.zero_stage >= 2:
         units = list(blocks) if blocks else None
         return FullyShardedDataParallel(
-            module, units=units, reshard_after_forward=cfg.zero_stage == 3
+            module,
+            units=units,
+            reshard_after_forward=cfg.zero_stage == 3,
+            deterministic=cfg.deterministic,
         )
     return DistributedDataParallel(
         module,
@@ -76,7 +81,26 @@ def wrap_model(
         # A small first bucket starts communication early in backward, whatever the cap.
         first_bucket_cap_mb=min(DEFAULT_FIRST_BUCKET_CAP_MB, cfg.bucket_cap_mb),
         comm_hook=comm_hook(cfg, module),
+        deterministic=cfg.deterministic,
     )
+
+
+def pin_kernels(device: torch.device) -> None:
+    """deterministic=True: kernels whose bits depend on anything but their inputs are pinned:
+    one CPU thread per rank (a convolution's or a matmul's sums are split by thread count),
+    and on CUDA torch's deterministic algorithms."""
+    torch.set_num_threads(1)
+    if device.type == "cuda":
+        # cuBLAS needs it before its first call to give the same bits every time.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def exact_sums(model: nn.Module) -> Any:
+    """Either wrapper's deterministic state; its `step` keys the micro-batches' random numbers
+    (a resumed run sets it)."""
+    return model.exact if isinstance(model, FullyShardedDataParallel) else model.reducer
 
 
 def comm_hook(cfg: TrainerConfig, module: nn.Module) -> tuple[object, CommHook] | None:
@@ -91,15 +115,19 @@ def comm_hook(cfg: TrainerConfig, module: nn.Module) -> tuple[object, CommHook] 
     )
 
 
-def sampler(cfg: TrainerConfig, num_samples: int) -> ShardedSampler:
-    """The resumable sampler of micro-batches (a step is grad_accum_steps of them)."""
-    return ShardedSampler(
-        num_samples,
-        global_batch_size=cfg.micro_global_batch_size,
-        shuffle=cfg.shuffle,
-        seed=cfg.seed,
-        drop_last=cfg.drop_last,
-    )
+def sampler(cfg: TrainerConfig, num_samples: int) -> ShardedSampler | MicroBatchSampler:
+    """The resumable sampler of micro-batches (a step is cfg.accumulation(world_size) of
+    them); deterministic: the same samples in micro-batch k at any world size."""
+    order = {"shuffle": cfg.shuffle, "seed": cfg.seed, "drop_last": cfg.drop_last}
+    if cfg.deterministic:
+        return MicroBatchSampler(
+            num_samples,
+            global_batch_size=cfg.global_batch_size,
+            micro_batch_size=cfg.micro_batch_size,
+            **order,
+        )
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    return ShardedSampler(num_samples, global_batch_size=cfg.round_size(world_size), **order)
 
 
 def loader(
@@ -200,7 +228,8 @@ def plateau_step(cfg: TrainerConfig, scheduler: Any, metrics: dict[str, float]) 
 
 def epoch_steps(cfg: TrainerConfig, sampler: ShardedSampler) -> int:
     """Optimizer steps in cfg.epochs epochs of the sampler (an epoch's last step may be short)."""
-    return math.ceil(sampler.batches_per_epoch / cfg.grad_accum_steps) * cfg.epochs
+    accumulation = cfg.accumulation(sampler.world_size)
+    return math.ceil(sampler.batches_per_epoch / accumulation) * cfg.epochs
 
 
 def total_steps(cfg: TrainerConfig, sampler: ShardedSampler) -> int:

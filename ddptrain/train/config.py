@@ -10,25 +10,25 @@ grad_accum_steps)` each, so the same config trains the same way at any world siz
 
 from __future__ import annotations
 
-import signal
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from ddptrain.comm import NAMES
 from ddptrain.compress.powersgd import NAMED_RANK, NAMED_START_STEP
 from ddptrain.flags import NON_NEGATIVE, POSITIVE, Check, check_fields, setting
+from ddptrain.train import config_checks
+from ddptrain.train.config_checks import ConfigError
 from ddptrain.train.health import LOST_RANK_EXIT_CODE
-from ddptrain.train.metrics import LOGGERS, TENSORBOARD_HINT, tensorboard_installed
-from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, PREEMPTED_EXIT_CODE, signal_number
+from ddptrain.train.metrics import LOGGERS
+from ddptrain.train.preempt import DEFAULT_PREEMPT_SIGNALS, PREEMPTED_EXIT_CODE
 
 # Settings that define the sample order and step size: a resumed run must keep them.
-RESUME_INVARIANT_FIELDS = ("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last")
+RESUME_INVARIANT_FIELDS = (
+    *("global_batch_size", "grad_accum_steps", "seed", "shuffle", "drop_last"),
+    *("deterministic", "micro_batch_size"),
+)
 # The names ddptrain/comm.py resolves: "default" is the wrapper's own choice.
 COMM_HOOKS = NAMES
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work (alone, or with this world size); the message names the fix."""
 
 
 @dataclass(kw_only=True)
@@ -85,6 +85,20 @@ class TrainerConfig:
     )
     num_workers: int = setting(
         0, "DataLoader worker processes per rank", group="training", check=NON_NEGATIVE
+    )
+    deterministic: bool = setting(
+        False,
+        "the same bits at any world size: each micro-batch of micro_batch_size samples summed "
+        "exactly, dropout keyed by step and micro-batch, one CPU thread per rank (design.md)",
+        group="training",
+    )
+    micro_batch_size: int | None = setting(
+        None,
+        "with deterministic: samples per forward and backward; global_batch_size / N "
+        "micro-batches a step, shared by the ranks (replaces grad_accum_steps)",
+        group="training",
+        check=POSITIVE,
+        unset="none",
     )
     nonfinite: Literal["stop", "skip"] = setting(
         "stop",
@@ -287,59 +301,7 @@ class TrainerConfig:
             if isinstance(value, list):
                 setattr(self, name, tuple(value))
         check_fields(self, ConfigError)
-        self._check_sharded()
-        if self.resume == "auto" and not self.checkpoint_dir:
-            raise ConfigError("resume='auto' looks in checkpoint_dir; set checkpoint_dir too")
-        self._check_preemption()
-        if self.best_metric is not None and not self.checkpoint_dir:
-            raise ConfigError(
-                f"best_metric={self.best_metric!r} marks the best checkpoint in checkpoint_dir; "
-                "set checkpoint_dir too"
-            )
-        self._check_observability()
-
-    def _check_preemption(self) -> None:
-        for name in ("checkpoint_every_steps", "checkpoint_every_minutes"):
-            value = getattr(self, name)
-            if value is not None and not self.checkpoint_dir:
-                raise ConfigError(
-                    f"{name}={value} saves into checkpoint_dir; set checkpoint_dir too"
-                )
-        numbers = []
-        for name in self.preempt_signals:
-            try:
-                numbers.append(signal_number(name))
-            except ValueError as e:
-                raise ConfigError(f"preempt_signals: {e}") from None
-            if numbers[-1] in (signal.SIGKILL, signal.SIGSTOP):
-                raise ConfigError(
-                    f"preempt_signals: {numbers[-1].name} cannot be caught; use SIGTERM, SIGINT, "
-                    "SIGUSR1 or SIGUSR2"
-                )
-        self.preempt_signals = tuple(number.name for number in numbers)
-
-    def _check_sharded(self) -> None:
-        """Refuse what cannot work when gradients and parameters are sharded (stages 2, 3)."""
-        if self.zero_stage < 2:
-            return
-        stage = f"zero_stage={self.zero_stage}"
-        if self.comm_hook != "default":
-            raise ConfigError(
-                f"comm_hook={self.comm_hook!r} with {stage}: stages 2 and 3 reduce-scatter "
-                "gradients over the backend, and comm hooks reduce whole buckets under the DDP "
-                "wrapper; use comm_hook='default', or zero_stage 0 or 1"
-            )
-        if self.check_replicas_every is not None:
-            raise ConfigError(
-                f"check_replicas_every with {stage}: each rank holds its own shard of the "
-                "parameters, so there are no replicas to compare; set check_replicas_every=None"
-            )
-        if self.precision == "fp16":
-            raise ConfigError(
-                f"precision='fp16' with {stage}: GradScaler would look for inf/NaN in each "
-                "rank's gradient shard alone, and ranks could disagree on skipping a step; use "
-                "precision='bf16' or 'fp32'"
-            )
+        config_checks.check_together(self)
 
     def check_best_metric(self, metrics: dict[str, float]) -> None:
         """Refuse a best_metric the evaluation does not produce: keep_last would otherwise
@@ -353,34 +315,34 @@ class TrainerConfig:
             f"{sorted(metrics)}; use {hint}"
         )
 
-    def _check_observability(self) -> None:
-        if "tensorboard" in self.loggers:
-            if not tensorboard_installed():
-                raise ConfigError(TENSORBOARD_HINT)
-            if not self.log_dir:
-                raise ConfigError("loggers with 'tensorboard' write into log_dir; set log_dir")
-        if self.profile_steps is not None:
-            if not (self.log_dir or self.checkpoint_dir):
-                raise ConfigError(
-                    "profile_steps writes one trace per rank into log_dir (or checkpoint_dir); "
-                    "set log_dir"
-                )
+    def accumulation(self, world_size: int) -> int:
+        """Micro-batches a rank runs per optimizer step."""
+        if self.deterministic:
+            return self.global_batch_size // (self.micro_batch_size * world_size)
+        return self.grad_accum_steps
 
-    @property
-    def micro_global_batch_size(self) -> int:
-        """Samples per micro-step across all ranks: global_batch_size // grad_accum_steps."""
-        return self.global_batch_size // self.grad_accum_steps
+    def round_size(self, world_size: int) -> int:
+        """Samples of one micro-batch on every rank: global_batch_size // accumulation."""
+        return self.global_batch_size // self.accumulation(world_size)
 
     def check_world_size(self, world_size: int) -> None:
         """Raise if the global batch cannot be split evenly over ranks and accumulation steps."""
-        unit = world_size * self.grad_accum_steps
+        if self.deterministic:
+            micro_batches = self.global_batch_size // self.micro_batch_size
+            if micro_batches % world_size:
+                fits = [w for w in range(1, micro_batches + 1) if micro_batches % w == 0]
+                raise ConfigError(
+                    f"deterministic=True: {micro_batches} micro-batches a step "
+                    f"(global_batch_size {self.global_batch_size} / micro_batch_size "
+                    f"{self.micro_batch_size}) cannot be shared by {world_size} ranks; run at a "
+                    f"world size that divides {micro_batches}: {', '.join(map(str, fits))}"
+                )
+        unit = world_size * self.accumulation(world_size)
         if self.global_batch_size % unit:
             low = self.global_batch_size // unit * unit
             high = low + unit
             options = f"{low} or {high}" if low else f"{high}"
-            accum = (
-                f" x grad_accum_steps {self.grad_accum_steps}" if self.grad_accum_steps > 1 else ""
-            )
+            accum = f" x grad_accum_steps {self.grad_accum_steps}" if unit > world_size else ""
             raise ConfigError(
                 f"global_batch_size {self.global_batch_size} is not divisible by world_size "
                 f"{world_size}{accum}; use a multiple of {unit} (e.g. {options})"

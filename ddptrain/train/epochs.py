@@ -83,7 +83,8 @@ class EvenEpoch:
         return contextlib.nullcontext()
 
     def __iter__(self) -> Iterator[list[Any]]:
-        sampler, accum = self._epochs.sampler, self._epochs.cfg.grad_accum_steps
+        sampler = self._epochs.sampler
+        accum = self._epochs.cfg.accumulation(sampler.world_size)
         for _ in range(self._steps_left):
             if sampler.num_batches == 0:
                 return
@@ -114,7 +115,7 @@ class UnevenEpochs:
         check_uneven_supported(cfg)
         self.cfg, self.info = cfg, info
         self.dataset = train_set
-        self.per_rank_batch_size = cfg.micro_global_batch_size // info.world_size
+        self.per_rank_batch_size = cfg.round_size(info.world_size) // info.world_size
         self._loader = DataLoader(
             train_set,
             batch_size=self.per_rank_batch_size,
@@ -214,6 +215,12 @@ def _adopt_state(src: int, optimizer: Any, scheduler: Any, scaler: Any) -> None:
 
 def check_uneven_supported(cfg: TrainerConfig) -> None:
     """Refuse settings whose collectives a rank that ran out could not answer."""
+    if cfg.deterministic:
+        raise ConfigError(
+            "deterministic=True with an IterableDataset train set: each rank reads its own "
+            "part, so which samples make a step depends on the world size. Use a map-style "
+            "dataset (the MicroBatchSampler gives micro-batch k the same samples at any size)"
+        )
     if cfg.profile_steps is not None:
         raise ConfigError(
             "profile_steps with an IterableDataset train set: the profiled steps start with a "

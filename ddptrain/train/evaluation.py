@@ -10,7 +10,9 @@
 
 Each rank takes a contiguous shard (EvalSampler: no padding), runs the UNWRAPPED module (shards
 may differ in length by one batch, so no collective can run per batch), and the sums and the
-sample count are reduced once at the end.
+sample count are reduced once at the end. `deterministic=True`: the set is cut into batches of
+`batch_size` whatever the world size, batch c scored by rank c % world_size, and every batch's
+sums are added in batch order on every rank: the same bits at any world size.
 """
 
 from __future__ import annotations
@@ -38,15 +40,19 @@ def evaluate(
     batch_size: int,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    deterministic: bool = False,
 ) -> dict[str, float]:
     """Exact `eval_<key>` = global sum / global sample count for each key `step` returns."""
+    if deterministic:
+        indices = _batches_of_this_rank(len(dataset), batch_size)
+    else:
+        indices = EvalSampler(len(dataset))
     was_training = module.training
     module.eval()
     # Its own generator: iter(loader) draws a seed, which must not come from the global RNG
     # that training's dropout uses (evaluating would change the masks, and exact resume).
-    loader = batch_loader(
-        dataset, EvalSampler(len(dataset)), batch_size, generator=torch.Generator()
-    )
+    loader = batch_loader(dataset, indices, batch_size, generator=torch.Generator())
+    per_batch: list[tuple[dict[str, float], int]] = []
     sums: dict[str, torch.Tensor] = {}
     count = 0
     try:
@@ -54,12 +60,18 @@ def evaluate(
             batch = move_to(batch, device)
             with autocast():
                 out = step(module, batch)
-            for key, value in out.items():
-                value = torch.as_tensor(value, device=device).detach().double()
+            values = {
+                k: torch.as_tensor(v, device=device).detach().double() for k, v in out.items()
+            }
+            for key, value in values.items():
                 sums[key] = sums[key] + value if key in sums else value
             count += batch_len(batch)
+            if deterministic:
+                per_batch.append(({k: v.item() for k, v in values.items()}, batch_len(batch)))
     finally:
         module.train(was_training)
+    if deterministic:
+        return _in_batch_order(per_batch)
     # Rank 0 holds the largest shard, so it has seen every key any rank has.
     keys = broadcast_object(sorted(sums))
     zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -71,6 +83,34 @@ def evaluate(
     n = int(totals[-1])
     metrics: dict[str, float] = {f"eval_{k}": totals[i] / max(n, 1) for i, k in enumerate(keys)}
     metrics["eval_samples"] = n
+    return metrics
+
+
+def _batches_of_this_rank(dataset_len: int, batch_size: int) -> list[int]:
+    """The indices of batches c = rank, rank + world_size, ... of the set cut in batch_size."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    starts = range(rank * batch_size, dataset_len, world_size * batch_size)
+    return [i for start in starts for i in range(start, min(start + batch_size, dataset_len))]
+
+
+def _in_batch_order(per_batch: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Collective: every rank's per-batch sums, added in the order of the batches."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    everyone: list[Any] = [per_batch]
+    if world_size > 1:
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, per_batch)
+    # Rank r's j-th batch is batch j * world_size + r.
+    longest = max(len(batches) for batches in everyone)
+    ordered = [b[j] for j in range(longest) for b in everyone if j < len(b)]
+    totals: dict[str, float] = {}
+    count = 0
+    for values, n in ordered:
+        for key, value in values.items():
+            totals[key] = totals.get(key, 0.0) + value
+        count += n
+    metrics = {f"eval_{k}": v / max(count, 1) for k, v in sorted(totals.items())}
+    metrics["eval_samples"] = count
     return metrics
 
 

@@ -1,10 +1,8 @@
-"""Failure detection: peer heartbeats, replica checksums, and non-finite gradients.
+"""Failure detection: peer heartbeats and replica checksums.
 
     watchdog = Heartbeat(timeout_s=30).start()     # every rank: a dead or frozen peer noticed
     Heartbeat(agent_pid=info.agent_pid, on_launcher_lost=stop.launcher_lost)   # and a launcher
     check_replicas(model.module)                   # every rank: identical parameters or raise
-    if not torch.isfinite(grad_norm):              # every rank: raise, or warn and skip
-        on_nonfinite_gradients(local_loss, step=step + 1, policy="stop", checkpoint_dir=None)
     watchdog.stop()                                # a clean exit is not a lost rank
 
 Why heartbeats: a collective blocked on a dead peer may only fail at the backend timeout
@@ -38,9 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.dist import print0
 from ddptrain.launch import report
-from ddptrain.train.checkpoint import latest_checkpoint
 
 LOST_RANK_EXIT_CODE = 75
 # Failed beats in a row (every interval_s) after which the store counts as gone: one failure
@@ -59,10 +55,6 @@ class PeerFailedError(RuntimeError):
 
 class ReplicaDesyncError(RuntimeError):
     """Ranks hold different parameters although they must be identical replicas."""
-
-
-class NonFiniteError(RuntimeError):
-    """The averaged gradients were inf/NaN and the config says to stop."""
 
 
 class LauncherLostError(RuntimeError):
@@ -356,45 +348,4 @@ def peer_error(
         f"rank {rank}: lost rank(s) {lost} at step {step} (they stopped heartbeating; the "
         f"collective failed with: {first_line}). Restart the job (torchrun "
         "--max-restarts=N) with resume='auto' to continue from the latest checkpoint"
-    )
-
-
-def on_nonfinite_gradients(
-    local_loss: torch.Tensor, *, step: int, policy: str, checkpoint_dir: str | None
-) -> None:
-    """Raise NonFiniteError on every rank (policy "stop"), or warn (policy "skip").
-
-    Every rank calls it together: the gradients are averaged, so all see the same norm.
-    """
-    flags = [None] * dist.get_world_size()
-    dist.all_gather_object(flags, bool(torch.isfinite(local_loss)))
-    bad = [rank for rank, finite in enumerate(flags) if not finite]
-    report_nonfinite(step, bad, policy=policy, checkpoint_dir=checkpoint_dir)
-
-
-def report_nonfinite_steps(
-    mine: list[tuple[int, bool]], policy: str, checkpoint_dir: str | None
-) -> None:
-    """Collective: report every rank's skipped steps, given as (step, whether this rank's own
-    loss was finite), naming for each the ranks whose loss was not."""
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    for step in sorted({step for theirs in everyone for step, _ in theirs}):
-        bad = [r for r, theirs in enumerate(everyone) if (step, False) in theirs]
-        report_nonfinite(step, bad, policy=policy, checkpoint_dir=checkpoint_dir)
-
-
-def report_nonfinite(step: int, bad: list[int], *, policy: str, checkpoint_dir: str | None) -> None:
-    """Warn (policy "skip") or raise NonFiniteError ("stop") for a step whose averaged
-    gradients were not finite; `bad` are the ranks whose own loss was not."""
-    where = f"non-finite local loss on rank(s) {bad}" if bad else "losses finite everywhere"
-    if policy == "skip":
-        print0(f"warning: step {step} skipped: non-finite gradients ({where})")
-        return
-    last = latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
-    raise NonFiniteError(
-        f"step {step}: non-finite gradients ({where}); stopped on every rank before the "
-        f"optimizer step, so no weights were changed. Last good checkpoint: "
-        f"{last or 'none'}. Lower the learning rate, clip gradients (grad_clip_norm), or set "
-        "nonfinite='skip' to skip such steps"
     )

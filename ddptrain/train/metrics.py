@@ -136,18 +136,26 @@ def tensorboard_installed() -> bool:
 
 
 class LossWindow:
-    """Loss, samples and time split of the steps since the last log line, on every rank."""
+    """Loss, samples and time split of the steps since the last log line, on every rank.
+    `exact`: each step adds its micro-batches' losses, and the mean is taken over every
+    rank's in micro-batch order (the deterministic mode: the same bits at any world size)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, exact: bool = False) -> None:
         self.loss = torch.zeros((), device=device)
+        self.exact = exact
+        self._losses: list[torch.Tensor] = []
         self.steps = 0
         self.samples = 0
         self.start = time.perf_counter()
         self.times = StepTimes()
 
     def add(self, loss: torch.Tensor, samples: int) -> None:
-        """Add one optimizer step's summed local loss and this rank's sample count."""
-        self.loss += loss
+        """Add one optimizer step: its summed local loss (exact: this rank's micro-batch
+        losses, one each) and this rank's sample count."""
+        if self.exact:
+            self._losses.append(loss.detach().double().reshape(-1))
+        else:
+            self.loss += loss
         self.steps += 1
         self.samples += samples
 
@@ -161,9 +169,9 @@ class LossWindow:
             self.start += time.perf_counter() - began
 
     def report(self) -> tuple[float, float, dict[str, float]]:
-        """Collective (one all_reduce): (mean loss per step over every rank's steps, samples
-        per second over every rank, time split per step); then a new window starts. Ranks may
-        have taken different numbers of steps (uneven data)."""
+        """Collective (one all_reduce; exact: and one all_gather): (mean loss per step over
+        every rank's steps, samples per second over every rank, time split per step); then a
+        new window starts. Ranks may have taken different numbers of steps (uneven data)."""
         counts = torch.tensor(
             [self.steps, self.samples, *self.times.values()],
             dtype=torch.float64,
@@ -173,11 +181,36 @@ class LossWindow:
         if dist.get_world_size() > 1:
             dist.all_reduce(sums)
         loss, steps, samples, *times = sums.tolist()
+        if self.exact:
+            loss, steps = self._exact_mean_loss(), self.steps
         samples_per_s = samples / max(time.perf_counter() - self.start, 1e-9)
         self.start, self.steps, self.samples = time.perf_counter(), 0, 0
         self.loss.zero_()
         self.times.reset()
         return loss / max(steps, 1), samples_per_s, split_record(times, int(steps))
+
+    def _exact_mean_loss(self) -> float:
+        """The window's sum of per-step mean losses, each over every rank's micro-batches added
+        in micro-batch order (rank r's j-th is j * world_size + r), the same at any world
+        size. Every rank takes every step here."""
+        if not self._losses:
+            return 0.0
+        mine = torch.stack(self._losses)  # [steps, micro-batches of this rank]
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        everyone = [torch.empty_like(mine) for _ in range(world_size)]
+        if world_size > 1:
+            dist.all_gather(everyone, mine)
+        else:
+            everyone = [mine]
+        ordered = torch.stack(everyone, dim=2).reshape(mine.shape[0], -1)
+        self._losses = []
+        total = 0.0
+        for step in ordered.tolist():
+            step_sum = 0.0
+            for value in step:
+                step_sum += value
+            total += step_sum / len(step)
+        return total
 
 
 @dataclass

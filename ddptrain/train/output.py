@@ -34,7 +34,9 @@ class RunOutput:
     ) -> None:
         self.cfg = cfg
         # A resumed run never re-saves the step it resumed from (that file exists).
-        self.progress = Progress(LossWindow(info.device), step, step if resumed else -1)
+        self.progress = Progress(
+            LossWindow(info.device, exact=cfg.deterministic), step, step if resumed else -1
+        )
         self.window = self.progress.window
         self._log = open_logs(cfg.loggers, cfg.log_dir) if info.is_main and cfg.log_dir else None
         if self._log:
@@ -139,7 +141,8 @@ def describe_run(
     backend, device, precision), the batch split, the steps, the buckets. `epoch_steps`: the
     optimizer steps its epochs make (build.epoch_steps), to tell when max_steps cuts in."""
     buckets = ", ".join(f"{b / 2**20:.2f}" for b in model.bucket_sizes_bytes)
-    per_rank = cfg.micro_global_batch_size // info.world_size
+    accumulation = cfg.accumulation(info.world_size)
+    per_rank = cfg.round_size(info.world_size) // info.world_size
     # No sampler: each rank reads its own part of an IterableDataset (train/epochs.py).
     # `is not None`: a sampler resumed at an epoch's end has no batches left, so len() is 0.
     batches = sampler.batches_per_epoch if sampler is not None else None
@@ -154,10 +157,12 @@ def describe_run(
             f"ddptrain: launcher={info.launcher} world_size={info.world_size} "
             f"backend={info.backend} device={info.device} precision={cfg.precision}",
             f"  global_batch_size={cfg.global_batch_size} = {info.world_size} ranks x "
-            f"{per_rank} per rank x {cfg.grad_accum_steps} accumulation step(s)",
+            f"{per_rank} per rank x {accumulation} accumulation step(s)",
             f"  {total_steps} optimizer steps ({epochs} of {epoch}{resumed})",
             f"  buckets (MiB, launch order): [{buckets}]",
         ]
+        + ["  deterministic: the same bits at any world size that divides the micro-batches"]
+        * cfg.deterministic
     )
 
 

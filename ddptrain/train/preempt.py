@@ -86,12 +86,17 @@ class Agreed:
             for why, ranks in self.reasons.items()
         )
 
-    def message(self, step: int, saved: str) -> str:
-        """The line rank 0 prints as every rank stops at `step`, having `saved` (a phrase)."""
+    def message(self, step: int, saved: str, resumes: bool = True) -> str:
+        """The line rank 0 prints as every rank stops at `step`, having `saved` (a phrase);
+        `resumes`: the run's own command resumes (resume='auto')."""
+        again = (
+            "Run the same command again to continue from there."
+            if resumes
+            else "Run it again with resume='auto' (--resume auto) to continue from there."
+        )
         return (
             f"ddptrain: stopped at step {step} on {self.describe()}: {saved}; exiting with code "
-            f"{self.exit_code}. Run the same command again (resume='auto') to continue from "
-            "there."
+            f"{self.exit_code}. {again}"
         )
 
 
@@ -176,6 +181,7 @@ class Boundary:
 
     def __init__(self, cfg: Any, info: DistInfo) -> None:
         self.info = info
+        self.resumes = cfg.resume == "auto"
         self.stop = StopRequest()
         self.enabled = bool(cfg.checkpoint_dir) and bool(
             cfg.preempt_signals or cfg.checkpoint_every_minutes
@@ -225,7 +231,7 @@ class Boundary:
             if saved_here
             else "nothing new to save"
         )
-        message = agreed.message(step, saved)
+        message = agreed.message(step, saved, self.resumes)
         print0(message, file=sys.stderr)
         # Every rank: ddptrain-run exits with this code, and adds nothing to rank 0's line.
         report.worker_exit(agreed.exit_code)

@@ -37,13 +37,12 @@ from torch.utils.data import Dataset
 
 from ddptrain import profiling
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
-from ddptrain.train import build, compute, health, preempt
+from ddptrain.train import build, compute, gradients, health, preempt
 from ddptrain.train.checkpoint import resume
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.epochs import make_epochs
 from ddptrain.train.evaluation import evaluate, move_to
-from ddptrain.train.gradients import autocast, optimizer_step
-from ddptrain.train.health import NonFiniteError
+from ddptrain.train.gradients import NonFiniteError, autocast, optimizer_step
 from ddptrain.train.output import RunOutput, describe_run
 
 __all__ = ["NonFiniteError", "Preempted", "Trainer"]
@@ -127,6 +126,8 @@ class Trainer:
         cfg = self.config
         # 1. Init: one seed everywhere, so every rank builds the same model and data order.
         cfg.check_world_size(info.world_size)
+        if cfg.deterministic:
+            build.pin_kernels(info.device)
         torch.manual_seed(cfg.seed)
         # 2. Data: even epochs (a map-style dataset), or each rank's own part (IterableDataset).
         train_set, eval_set = build.check_datasets(cfg, *self.build_datasets())
@@ -145,8 +146,10 @@ class Trainer:
         self.optimizer, self.scheduler = build.optimizer(cfg, self.configure_optimizers(module))
         build.check_plateau(self.scheduler, eval_set)
         self.scaler = torch.amp.GradScaler(info.device.type) if cfg.precision == "fp16" else None
-        # Each rank draws its own dropout masks, reproducibly.
-        torch.manual_seed(cfg.seed + 1 + info.rank)
+        if not cfg.deterministic:
+            # Each rank draws its own dropout masks, reproducibly (deterministic: the wrapper
+            # keys them by step and micro-batch instead).
+            torch.manual_seed(cfg.seed + 1 + info.rank)
         # 6. Resume the optimizer, sampler and RNG states.
         if resume_state is not None:
             self.step, self._epoch_index = resume.apply_resume_state(
@@ -160,6 +163,8 @@ class Trainer:
                 model=self.model,
             )
         resumed = resume_state is not None
+        if cfg.deterministic:
+            build.exact_sums(self.model).step = self.step
         # Even epochs resume inside (or at the end of) the sampler's epoch; uneven ones at the
         # start of the epoch after the one their checkpoint completed.
         lockstep = self.epochs.lockstep
@@ -211,7 +216,8 @@ class Trainer:
         self.step += 1
         self._out.window.add(loss, len(batches) * self._per_rank_batch_size())
         if outcome == "nonfinite":
-            self._nonfinite.append((self.step, bool(torch.isfinite(loss))))
+            overflowed = self.config.deterministic and build.exact_sums(self.model).overflowed
+            self._nonfinite.append((self.step, bool(torch.isfinite(loss).all()), overflowed))
         if epoch.lockstep:
             self._after_step(epoch_done=epoch.complete, eval_set=eval_set)
         # Deferred: its gradients went to the others' reduction. Non-finite with "stop": every
@@ -225,7 +231,7 @@ class Trainer:
         times = self._out.window.times
         began = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.info.device)
+        losses = []
         micro = len(batches)
         for m, batch in enumerate(batches):
             mark = time.perf_counter()
@@ -233,11 +239,13 @@ class Trainer:
             now = time.perf_counter()
             times.add("data_s", now - mark)
             sync = m == micro - 1
-            total += self._micro_step(batch, micro, sync=sync)
+            losses.append(self._micro_step(batch, micro, sync=sync))
             # The wrapper timed its own wait for buckets: communication overlap did not hide.
             comm = self.model.last_comm_wait_s if sync else 0.0
             times.add("compute_s", max(0.0, time.perf_counter() - now - comm))
             times.add("comm_s", comm)
+        # Deterministic: the window averages every rank's micro-batch losses in their order.
+        total = torch.stack(losses) if self.config.deterministic else torch.stack(losses).sum()
         if epoch.deferred:
             return total, "deferred"
         mark = time.perf_counter()
@@ -256,7 +264,7 @@ class Trainer:
             return move_to(batch, self.info.device)
 
     def _per_rank_batch_size(self) -> int:
-        return self.config.micro_global_batch_size // self.info.world_size
+        return self.config.round_size(self.info.world_size) // self.info.world_size
 
     def _micro_step(self, batch: Any, micro: int, *, sync: bool) -> torch.Tensor:
         """Forward and backward one micro-batch; gradients are averaged only when `sync`."""
@@ -270,7 +278,8 @@ class Trainer:
                     f"training_step must return a scalar loss tensor, got {shape}; reduce it "
                     "with .mean() (or .sum() / batch size)"
                 )
-            scaled = loss / micro
+            # Deterministic: the wrapper divides the exact sum by the micro-batch count.
+            scaled = loss if self.config.deterministic else loss / micro
             if sync and self._boundary.enabled:
                 self._boundary.ride(self.model, self.epochs.lockstep)
             with profiling.mark("ddptrain.backward"):
@@ -310,7 +319,7 @@ class Trainer:
         every rank saw the same averaged gradients."""
         if self._nonfinite or not self.epochs.lockstep:
             cfg = self.config
-            health.report_nonfinite_steps(self._nonfinite, cfg.nonfinite, cfg.checkpoint_dir)
+            gradients.report_nonfinite_steps(self._nonfinite, cfg.nonfinite, cfg.checkpoint_dir)
             self._nonfinite = []
 
     def _maybe_evaluate(self, eval_set: Dataset | None, epoch_done: bool) -> None:
@@ -360,6 +369,7 @@ class Trainer:
                 batch_size=self.config.eval_batch_size,
                 device=self.info.device,
                 autocast=self._autocast,
+                deterministic=self.config.deterministic,
             )
         self.config.check_best_metric(metrics)
         if metrics:
@@ -393,5 +403,5 @@ class Trainer:
 
     def _open_logs(self, resumed: bool) -> None:
         # (step, whether this rank's loss was finite) of steps skipped for non-finite gradients.
-        self._nonfinite: list[tuple[int, bool]] = []
+        self._nonfinite: list[tuple[int, bool, bool]] = []
         self._out = RunOutput(self.config, self.info, self.total_steps, self.step, resumed)

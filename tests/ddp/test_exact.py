@@ -77,6 +77,44 @@ def test_a_term_beyond_the_bound_overflows_and_is_reported():
     assert exact.add_fixed(acc, torch.tensor([0.0, math.nan, 0.0, 0.0]), shift)
 
 
+def test_float64_accumulators_give_the_int64_sums_and_refuse_what_they_cannot_hold():
+    """add_fixed_float (first, middle and last terms) gives add_fixed's integers bitwise, a
+    channels_last accumulator too; a term beyond the room it is given, or a NaN, leaves the
+    accumulator and the term as they were and returns None."""
+    terms = _terms(n=6, numel=2 * 3 * 5 * 7 * 11)
+    shift = exact.fixed_point_shift(max(t.abs().max().item() for t in terms))
+    for shape, fmt in (
+        ((terms[0].numel(),), torch.contiguous_format),
+        ((6, 5, 7, 11), torch.channels_last),
+    ):
+        ints = torch.zeros(shape, dtype=torch.int64).contiguous(memory_format=fmt)
+        floats = torch.full_like(ints, 7, dtype=torch.float64)  # `first` ignores what it held
+        bound = 0.0
+        for i, t in enumerate(terms):
+            t = t.view(shape)
+            assert not exact.add_fixed(ints, t, shift)
+            first, last = i == 0, i == len(terms) - 1
+            consumed = t.clone()
+            peak = exact.add_fixed_float(
+                floats, consumed, shift, exact.FLOAT_EXACT - bound, first=first, last=last
+            )
+            assert peak is not None and peak > 0
+            bound += peak
+        assert torch.equal(floats.view(torch.int64), ints)
+    acc = torch.zeros(4, dtype=torch.float64)
+    assert exact.add_fixed_float(acc, torch.full((4,), 3.0), 10, room=3.0 * 2**10) == 3.0 * 2**10
+    for refused, room in (
+        (torch.full((4,), 3.0), 3.0 * 2**10 - 1),
+        (torch.tensor([0, math.nan, 0, 0]), 2.0**53),
+    ):
+        kept = refused.clone()
+        assert exact.add_fixed_float(acc, refused, 10, room) is None
+        torch.testing.assert_close(refused, kept, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(acc, torch.full((4,), 3.0 * 2**10, dtype=torch.float64))
+    halves = torch.zeros(4, dtype=torch.float64)
+    assert torch.equal(exact.float_to_fixed(halves.add_(-(2.0**52))), torch.full((4,), -(2**52)))
+
+
 def test_exact_norm_is_the_same_bits_however_the_gradient_is_split():
     """The norm of one gradient cut into pieces of any sizes, in any order, is bitwise the
     same, and within 1e-6 of the float64 norm; inf and NaN give inf."""

@@ -69,9 +69,12 @@ def _train(model: nn.Module, rank: int, steps: int = STEPS, before_step=None) ->
     return _params(model)
 
 
-def _torch_state(rank: int) -> torch_psgd.PowerSGDState:
+def _torch_state(rank: int, **options) -> torch_psgd.PowerSGDState:
     return torch_psgd.PowerSGDState(
-        process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=START_STEP
+        process_group=None,
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=START_STEP,
+        **options,
     )
 
 
@@ -100,6 +103,24 @@ def _case_equal_to_torch(info) -> dict:
         _mlp(), bucket_cap_mb=BUCKET_CAP_MB, comm_hook=named_hook("allreduce")
     )
     out["uncompressed"] = _train(plain, info.rank)
+    return out
+
+
+# ddptrain's option -> torch's, each turned off.
+OPTIONS = {"warm_start": "warm_start", "error_feedback": "use_error_feedback"}
+
+
+def _case_options(info) -> dict:
+    """Rank 2 with warm start, then error feedback, turned off: ddptrain's hook and torch's."""
+    out = {}
+    for ours_name, torch_name in OPTIONS.items():
+        theirs = DistributedDataParallel(_mlp(), bucket_cap_mb=BUCKET_CAP_MB)
+        theirs.register_comm_hook(_torch_state(2, **{torch_name: False}), torch_psgd.powerSGD_hook)
+        state = PowerSGDState(matrix_rank=2, start_step=START_STEP, **{ours_name: False})
+        ours = DistributedDataParallel(
+            _mlp(), bucket_cap_mb=BUCKET_CAP_MB, comm_hook=(state, powersgd_hook)
+        )
+        out[ours_name] = {"torch": _train(theirs, info.rank), "ours": _train(ours, info.rank)}
     return out
 
 
@@ -228,6 +249,7 @@ def _case_trainer_config(info) -> dict:
 
 CASES = {
     "equal_to_torch": _case_equal_to_torch,
+    "options": _case_options,
     "uncompressed_phase": _case_uncompressed_phase,
     "torch_hook_overlaps": _case_torch_hook_overlaps,
     "pair_equals_register": _case_pair_equals_register,
@@ -256,6 +278,26 @@ def test_powersgd_equals_torchs_within_rounding(world, rank):
         assert apart > 100 * TORCH_ATOL
         total, sent = r[f"elements_r{rank}"]
         assert total == sum(p.numel() for p in _mlp().parameters()) and sent < total / 4
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_powersgd_options_turned_off_equal_torchs(world, option):
+    """Without warm start (a new random Q every step) or without error feedback, ddptrain's
+    hook ends within TORCH_ATOL of torch's with the same option off, and that option made a
+    difference: both end far from the run with every option on."""
+    for r in worlds.outcome(world(WORLD_SIZE), "options"):
+        ours, theirs = r[option]["ours"], r[option]["torch"]
+        diff = (ours - theirs).abs().max().item()
+        print(f"{option} off: max |ours - torch's| = {diff:.3g}")
+        assert diff <= TORCH_ATOL, (option, diff)
+    for r_opts, r_eq in zip(
+        worlds.outcome(world(WORLD_SIZE), "options"),
+        worlds.outcome(world(WORLD_SIZE), "equal_to_torch"),
+        strict=True,
+    ):
+        apart = (r_opts[option]["torch"] - r_eq["torch_r2"]).abs().max().item()
+        print(f"{option} off: max |it - every option on| = {apart:.3g}")
+        assert apart > 100 * TORCH_ATOL, (option, apart)
 
 
 def test_before_start_step_buckets_are_averaged_uncompressed(world):

@@ -12,6 +12,7 @@ import copy
 import functools
 import os
 import tempfile
+import warnings
 from contextlib import nullcontext
 
 import pytest
@@ -19,7 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    default_hooks,
+    optimizer_overlap_hooks,
+    powerSGD_hook,
+)
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -143,12 +148,48 @@ def _fp16():
     return None, default_hooks.fp16_compress_hook
 
 
+def _into_a_new_tensor():
+    """A hook shaped like the encode/decode hooks of torch's docs: it reduces a tensor of its
+    own and returns that one, leaving the bucket's buffer as it was."""
+
+    def hook(state, bucket):
+        encoded = bucket.buffer() / dist.get_world_size()
+        future = dist.all_reduce(encoded, async_op=True).get_future()
+        return future.then(lambda f: f.value()[0])
+
+    return None, hook
+
+
 def _powersgd():
     # Error feedback and warm start on (torch's defaults); plain all_reduce for 3 iterations.
     state = powerSGD_hook.PowerSGDState(
         process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=3
     )
     return state, powerSGD_hook.powerSGD_hook
+
+
+def _sgd_in_the_hook():
+    """torch's hook wrapper that steps a functional SGD on each bucket's parameters once the
+    bucket is reduced (what DDP's _register_fused_optim registers)."""
+    # Imported here: importing torch.distributed.optim warns that torch.jit.script is deprecated.
+    from torch.distributed.optim.functional_sgd import _FunctionalSGD
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript support, unused here
+        sgd = _FunctionalSGD([], lr=0.1, momentum=0.9, _allow_empty_param_list=True)
+    state = optimizer_overlap_hooks._OptimizerHookState(sgd)
+    return None, optimizer_overlap_hooks._hook_then_optimizer(default_hooks.allreduce_hook, state)
+
+
+def optimizer_in_the_hook(DDP, rank: int) -> torch.Tensor:  # noqa: N803
+    """No optimizer.step(): the hook steps each bucket's parameters as its reduction ends."""
+    ddp_model = DDP(_mlp(), bucket_cap_mb=0.002)
+    ddp_model.register_comm_hook(*_sgd_in_the_hook())
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        F.cross_entropy(ddp_model(x), y).backward()
+        ddp_model.zero_grad(set_to_none=True)
+    return _params(ddp_model)
 
 
 def uneven_with_join(DDP, rank: int) -> torch.Tensor:  # noqa: N803
@@ -171,9 +212,13 @@ PROGRAMS = {
     "accumulate_with_no_sync": accumulate_with_no_sync,
     "allreduce_hook": functools.partial(_hooked, make_hook=_allreduce, bucket_cap_mb=0.002),
     "fp16_compress_hook": functools.partial(_hooked, make_hook=_fp16, bucket_cap_mb=0.002),
+    "hook_returning_a_new_tensor": functools.partial(
+        _hooked, make_hook=_into_a_new_tensor, bucket_cap_mb=0.002
+    ),
     # One bucket: official DDP's PowerSGD crashes on gloo with several (see below).
     "powerSGD_hook": functools.partial(_hooked, make_hook=_powersgd, bucket_cap_mb=25),
     "uneven_with_join": uneven_with_join,
+    "optimizer_in_the_hook": optimizer_in_the_hook,
 }
 
 
@@ -195,6 +240,92 @@ def test_a_torch_ddp_program_ends_bitwise_equal_with_ddptrain(world, name):
         assert torch.equal(r[name]["ours"], results[0][name]["ours"])
 
 
+# ------------------------------------------------------------------------------ hook wrappers
+def _renamed(hook):
+    """`hook` under another name: torch's DDP refuses the bf16 hooks by name off CUDA (a NCCL
+    version check), while gloo sums bfloat16 on the CPU."""
+
+    def hook_under_another_name(state, bucket):
+        return hook(state, bucket)
+
+    return hook_under_another_name
+
+
+def _powersgd_wrapped(wrapper):
+    def make():
+        return _powersgd()[0], wrapper(powerSGD_hook.powerSGD_hook)
+
+    return make
+
+
+# torch's wrappers of ddp_comm_hooks, around a hook: name -> (the dtype gradients travel in,
+# (state, hook) maker, bucket_cap_mb). hook_with_zero_step(_interleaved) refuses gloo, so it
+# has no CPU test; _hook_then_optimizer is a program above (optimizer_in_the_hook).
+WRAPPERS = {
+    "fp16_compress_wrapper(allreduce_hook)": (
+        torch.float16,
+        lambda: (None, default_hooks.fp16_compress_wrapper(default_hooks.allreduce_hook)),
+        0.002,
+    ),
+    "bf16_compress_wrapper(allreduce_hook)": (
+        torch.bfloat16,
+        lambda: (None, _renamed(default_hooks.bf16_compress_wrapper(default_hooks.allreduce_hook))),
+        0.002,
+    ),
+    # One bucket, as for powerSGD_hook above.
+    "fp16_compress_wrapper(powerSGD_hook)": (
+        torch.float16,
+        _powersgd_wrapped(default_hooks.fp16_compress_wrapper),
+        25,
+    ),
+    "bf16_compress_wrapper(powerSGD_hook)": (
+        torch.bfloat16,
+        _powersgd_wrapped(lambda hook: _renamed(default_hooks.bf16_compress_wrapper(hook))),
+        25,
+    ),
+}
+
+
+def _wrapped(DDP, rank: int, make_hook, bucket_cap_mb: float) -> dict:  # noqa: N803
+    """The first backward's gradients (from rank 0's weights), and the parameters after STEPS
+    SGD steps."""
+    ddp_model = DDP(_mlp(), bucket_cap_mb=bucket_cap_mb)
+    ddp_model.register_comm_hook(*make_hook())
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.9)
+    first = None
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        F.cross_entropy(ddp_model(x), y).backward()
+        if first is None:
+            first = torch.cat([p.grad.reshape(-1) for p in ddp_model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"first_grads": first, "params": _params(ddp_model)}
+
+
+def _case_wrappers(info) -> dict:
+    out = {}
+    for name, (_, make_hook, cap) in WRAPPERS.items():
+        ours = _wrapped(ddptrain.DDP, info.rank, make_hook, cap)
+        theirs = _wrapped(TorchDDP, info.rank, make_hook, cap)
+        out[name] = {"ours": ours, "theirs": theirs}
+    return out
+
+
+@pytest.mark.parametrize("name", WRAPPERS)
+def test_torch_hook_wrappers_reduce_as_on_torch_ddp(world, name):
+    """torch's fp16/bf16_compress_wrapper around torch's hooks on ddptrain's DDP: set_buffer
+    rebinds the bucket, as torch's does, so the wrapped hook reduces the narrow copy and its
+    result comes back into the bucket: the first gradients and the parameters after 8 steps
+    are bitwise torch's DDP's, on every rank."""
+    results = worlds.outcome(world(WORLD_SIZE), "wrappers")
+    for rank, r in enumerate(results):
+        ours, theirs = r[name]["ours"], r[name]["theirs"]
+        assert torch.equal(ours["first_grads"], theirs["first_grads"]), rank
+        assert torch.equal(ours["params"], theirs["params"]), rank
+        assert torch.equal(ours["params"], results[0][name]["ours"]["params"]), rank
+
+
 # ------------------------------------------------------------------------------ beyond torch
 def _case_powersgd_many_buckets(info) -> dict:
     """torch's PowerSGD over several buckets: official DDP's callbacks issue all_reduces
@@ -214,14 +345,18 @@ def test_powersgd_runs_over_many_buckets(world):
         assert torch.equal(r["params"], results[0]["params"])
 
 
-def _zero_run(rank: int, batches: int, make_optimizer, join: bool, pad_to: int = 0):
+def _zero_run(rank: int, batches: int, make_optimizer, join: bool, pad_to: int = 0, micro: int = 1):
+    """Steps of `micro` batches each (all but the last under no_sync()); a step past
+    `batches` adds zero gradients."""
     model = ddptrain.DDP(_mlp())
     optimizer = make_optimizer(model.parameters())
     with Join([model, optimizer]) if join else nullcontext():
         for step in range(max(batches, pad_to)):
-            x, y = _batch(rank, step)
-            loss = F.cross_entropy(model(x), y)
-            (loss if step < batches else loss * 0).backward()
+            for m in range(micro):
+                x, y = _batch(rank, micro * step + m)
+                with model.no_sync() if m < micro - 1 else nullcontext():
+                    loss = F.cross_entropy(model(x), y)
+                    (loss if step < batches else loss * 0).backward()
             optimizer.step()
             optimizer.zero_grad()
     return _params(model)
@@ -240,15 +375,19 @@ def _case_join_with_zero(info) -> dict:
         "ours": _zero_run(info.rank, batches, ours, join=True),
         "torch_zero": _zero_run(info.rank, batches, torchs, join=True),
         "padded": _zero_run(info.rank, batches, ours, join=False, pad_to=7),
+        "accumulating": _zero_run(info.rank, batches, ours, join=True, micro=2),
+        "accumulating_padded": _zero_run(info.rank, batches, ours, join=False, pad_to=7, micro=2),
     }
 
 
 def test_join_with_zero_optimizers_equals_zero_gradient_steps(world):
     """torch's Join([model, ZeroRedundancyOptimizer]) on ddptrain's wrapper, with ddptrain's
-    ZeRO or torch's: bitwise the run where the short rank steps on zero gradients."""
+    ZeRO or torch's, and with steps of 2 micro-batches (one under no_sync): bitwise the run
+    where the short rank steps on zero gradients."""
     for r in worlds.outcome(world(WORLD_SIZE), "join_with_zero"):
         assert torch.equal(r["ours"], r["padded"])
         assert torch.equal(r["torch_zero"], r["padded"])
+        assert torch.equal(r["accumulating"], r["accumulating_padded"])
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -296,6 +435,7 @@ def test_torch_arguments_err_as_torch_does(world):
 
 CASES = {
     "programs": _case_programs,
+    "wrappers": _case_wrappers,
     "powersgd_many_buckets": _case_powersgd_many_buckets,
     "join_with_zero": _case_join_with_zero,
     "refusals": _case_refusals,

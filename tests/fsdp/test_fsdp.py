@@ -8,6 +8,7 @@ results from it.
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import nullcontext
 
 import pytest
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddptrain.ddp.wrapper import DistributedDataParallel
+from ddptrain.fsdp.layout import flat_layout
 from ddptrain.fsdp.unit import in_memory_order
 from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
@@ -39,6 +41,12 @@ WS3_ULPS = 3.0
 # the DDP wrapper's own ws = 3 test (measured there 3e-8); 1e-5 is far above rounding and far
 # below a missed or doubled update (~lr x gradient, 1e-3).
 SMOOTH_ATOL = 1e-5
+# The whole gradient's 1- and 2-norm, from the shards against torch's over the DDP wrapper's
+# gradients (bitwise the same numbers at ws <= 2): the same float32 values reduced in another
+# grouping (per shard, then across ranks in float64), a few ulps apart (~1e-7 relative) with
+# torch's pairwise sums; 1e-5 allows a hundred of them, while a wrong norm type or a rank's
+# part counted twice or not at all is 10% off or more. The inf-norm is a max: exact.
+NORM_RTOL = 1e-5
 
 
 # ---------------------------------------------------------------------------- models
@@ -65,12 +73,15 @@ class _Wide(nn.Module):
 # name -> (factory, data of toy_models.batch, units of the wrapped module (None: size policy))
 MODELS = {
     "wide": (_Wide, "tanh", None),
+    "tanh": (lambda: toy_models.make("tanh"), "tanh", lambda m: [m.net[0], m.net[2]]),
     "lenet": (lambda: toy_models.make("lenet_nodrop"), "lenet", lambda m: [m.conv2, m.fc1]),
     "channels_last": (_conv_last, "lenet", lambda m: [m.conv1, m.conv2]),
     "tied": (lambda: toy_models.make("tied"), "tied", lambda m: [m.embed, m.hidden, m.out]),
     "frozen": (lambda: toy_models.make("frozen"), "frozen", lambda m: [m.frozen, m.fc1]),
     # The branch (rank 1 only) stays in the root unit: every rank runs the same units.
     "branch": (lambda: toy_models.make("branch"), "branch", lambda m: [m.trunk, m.never_used]),
+    # BatchNorm's running stats: rank 0's at every forward, as under the DDP wrapper.
+    "batchnorm": (lambda: toy_models.make("batchnorm"), "batchnorm", lambda m: [m.conv, m.fc]),
     "syncbn": (
         lambda: convert_sync_batchnorm(toy_models.make("batchnorm")),
         "batchnorm",
@@ -91,24 +102,28 @@ def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=1e-3)
 
 
-def _wrap(name: str, base: nn.Module, stage: int, rank: int) -> nn.Module:
+def _wrap(name: str, base: nn.Module, stage: int, rank: int, group=None) -> nn.Module:
     module = copy.deepcopy(base)
     if stage == 0:
-        return DistributedDataParallel(module)
+        return DistributedDataParallel(module, process_group=group)
     units = MODELS[name][2]
     return FullyShardedDataParallel(
         module,
+        process_group=group,
         units=units(module) if units else None,
         unit_min_numel=800,
         reshard_after_forward=stage == 3,
     )
 
 
-def _backward(model: nn.Module, name: str, step: int, rank: int, micro: int) -> None:
+def _backward(
+    model: nn.Module, name: str, step: int, rank: int, micro: int, synced: bool = False
+) -> None:
+    """`micro` backwards: all but the last under no_sync(), or every one synchronized."""
     data = MODELS[name][1]
     for m in range(micro):
         x, y = toy_models.batch(data, step * micro + m, rank)
-        with nullcontext() if m == micro - 1 else model.no_sync():
+        with nullcontext() if synced or m == micro - 1 else model.no_sync():
             (toy_models.loss_of(data, model, x, y, rank) / micro).backward()
 
 
@@ -122,20 +137,67 @@ def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if k in names}
 
 
+def _buffers_after_a_forward(models: list[nn.Module], name: str, rank: int) -> list[dict]:
+    """Each model's buffers after one more forward (no_grad, train mode): a forward takes rank
+    0's buffers under both wrappers (when they are synchronized in between differs). None
+    without buffers."""
+    if not list(models[0].module.buffers()):
+        return [{} for _ in models]
+    x, _ = toy_models.batch(MODELS[name][1], 1000, rank)
+    out = []
+    for model in models:
+        with torch.no_grad():
+            model(x)
+        out.append({n: b.clone() for n, b in model.module.named_buffers()})
+    return out
+
+
+def _norms(ddp: nn.Module, sharded: FullyShardedDataParallel) -> dict:
+    """The whole gradient's norms from the sharded wrapper and from torch over the DDP
+    wrapper's gradients; then both clipped to half the inf-norm, and their 2-norms after."""
+    grads = [p.grad for p in ddp.module.parameters() if p.grad is not None]
+    norms = {
+        norm_type: (
+            sharded.grad_norm(norm_type).item(),
+            torch.nn.utils.get_total_norm(grads, norm_type).item(),
+        )
+        for norm_type in (1.0, 2.0, math.inf)
+    }
+    max_norm = norms[math.inf][1] / 2
+    torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), max_norm, math.inf)
+    sharded.clip_grad_norm_(max_norm, math.inf)
+    clipped = (sharded.grad_norm(2.0).item(), torch.nn.utils.get_total_norm(grads, 2.0).item())
+    return {"norms": norms, "clipped_2_norm": clipped}
+
+
+def _check_norms(d: dict, rank: int) -> None:
+    for norm_type, (ours, theirs) in d["norms"].items():
+        if norm_type == math.inf:
+            assert ours == theirs, (rank, norm_type, ours, theirs)
+        else:
+            assert abs(ours - theirs) <= NORM_RTOL * theirs, (rank, norm_type, ours, theirs)
+    ours, theirs = d["clipped_2_norm"]
+    assert abs(ours - theirs) <= NORM_RTOL * theirs, (rank, "clipped", ours, theirs)
+
+
 # ---------------------------------------------------------------------------- cases
-def _train_against_ddp(name: str, kind: str, stage: int, rank: int, micro: int = 1) -> dict:
-    """STEPS steps of the DDP wrapper and of the sharded one from rank 0's weights: whether
-    every step's parameters, which gradients are None, and the final optimizer state agree."""
+def _train_against_ddp(
+    name: str, kind: str, stage: int, rank: int, micro: int = 1, group=None, synced: bool = False
+) -> dict:
+    """STEPS steps of the DDP wrapper and of the sharded one from rank 0's weights (of `group`,
+    both on it): whether every step's parameters, which gradients are None, the final
+    optimizer state and the buffers a forward then uses agree; the last gradient's norms, and
+    after clipping (_norms)."""
     torch.manual_seed(1234 + rank)  # different weights per rank: both take rank 0's
     base = MODELS[name][0]()
-    ddp, sharded = _wrap(name, base, 0, rank), _wrap(name, base, stage, rank)
+    ddp, sharded = _wrap(name, base, 0, rank, group), _wrap(name, base, stage, rank, group)
     opts = {id(m): _optimizer(kind, m) for m in (ddp, sharded)}
     steps_equal, max_diff, none_equal = [], 0.0, []
     for step in range(STEPS):
         nones = []
         for model in (ddp, sharded):
             opts[id(model)].zero_grad(set_to_none=True)
-            _backward(model, name, step, rank, micro)
+            _backward(model, name, step, rank, micro, synced)
             nones.append([n for n, p in model.module.named_parameters() if p.grad is None])
             opts[id(model)].step()
         none_equal.append(nones[0] == nones[1])
@@ -144,7 +206,11 @@ def _train_against_ddp(name: str, kind: str, stage: int, rank: int, micro: int =
         max_diff = max(max_diff, max((a[k] - b[k]).abs().max().item() for k in a))
     plain_state = opts[id(ddp)].state_dict()
     sharded_state = sharded.optim_state_dict(opts[id(sharded)])
+    norms = _norms(ddp, sharded)
+    a, b = _buffers_after_a_forward([ddp, sharded], name, rank)
     return {
+        **norms,
+        "buffers_equal": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
         "steps_equal": steps_equal,
         "max_diff": max_diff,
         "none_equal": none_equal,
@@ -153,6 +219,8 @@ def _train_against_ddp(name: str, kind: str, stage: int, rank: int, micro: int =
     }
 
 
+# On the subgroup: both stages, and a model with units named by hand.
+SUBGROUP = [("wide", "adamw", 3), ("wide", "sgd", 2), ("lenet", "sgd", 3)]
 EQUALITY = [
     ("wide", "sgd", 3),
     ("wide", "adamw", 3),
@@ -162,6 +230,7 @@ EQUALITY = [
     ("tied", "adamw", 3),
     ("frozen", "sgd", 2),
     ("branch", "sgd", 3),
+    ("batchnorm", "sgd", 3),
     ("syncbn", "sgd", 3),
 ]
 
@@ -171,9 +240,14 @@ def _case_equal_to_ddp(info) -> dict:
 
 
 def _case_accumulation(info) -> dict:
-    return {
+    out = {
         f"{s}": _train_against_ddp("wide", "adamw", s, info.rank, micro=MICRO_STEPS) for s in (2, 3)
     }
+    for s in (2, 3):
+        out[f"{s}-synced"] = _train_against_ddp(
+            "tanh", "sgd", s, info.rank, micro=MICRO_STEPS, synced=True
+        )
+    return out
 
 
 def _case_fully_shard(info) -> dict:
@@ -272,6 +346,61 @@ def _case_memory(info) -> dict:
     }
 
 
+def _case_gathered(info) -> dict:
+    """Bytes each unit of the size-policy _Wide holds gathered after a training forward, after
+    its backward, after a forward under no_grad, after the whole states are read and inside
+    and after summon_full_params, for ZeRO-2 and ZeRO-3."""
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = FullyShardedDataParallel(
+            _Wide(), unit_min_numel=800, reshard_after_forward=stage == 3
+        )
+        x, y = toy_models.batch("tanh", 0, info.rank)
+        seen = {}
+        loss = F.nll_loss(model(x), y)
+        seen["after_forward"] = _gathered_bytes(model)
+        loss.backward()
+        seen["after_backward"] = _gathered_bytes(model)
+        with torch.no_grad():
+            model(x)
+        seen["after_eval"] = _gathered_bytes(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt.step()
+        model.state_dict()
+        seen["after_state_dict"] = _gathered_bytes(model)
+        model.optim_state_dict(opt)
+        seen["after_optim_state_dict"] = _gathered_bytes(model)
+        with model.summon_full_params():
+            seen["summoned"] = _gathered_bytes(model)
+        seen["after_summon"] = _gathered_bytes(model)
+        out[stage] = seen
+    return out
+
+
+def _gathered_bytes(model: FullyShardedDataParallel) -> dict[str, int]:
+    """Bytes of whole parameters each unit holds now (its flat tensor's storage), by name."""
+    return {
+        name: unit.flat.untyped_storage().nbytes()
+        for name, unit in zip(model.unit_names, model.units, strict=True)
+    }
+
+
+def _case_subgroup(info) -> dict | None:
+    """Ranks 1 and 2 of 3 train the sharded wrapper and the DDP wrapper on their group while
+    rank 0 waits. Last in its world: only the group's ranks create the wrappers' own groups, so
+    the ranks no longer agree on the next group's number afterwards."""
+    group = dist.new_group(ranks=[1, 2])  # every rank must create it; only 1 and 2 join
+    out = None
+    if info.rank in (1, 2):
+        out = {
+            f"{n}-{k}-{s}": _train_against_ddp(n, k, s, dist.get_rank(group), group=group)
+            for n, k, s in SUBGROUP
+        }
+    dist.barrier()
+    return out
+
+
 # ---------------------------------------------------------------------------- states
 def _case_states_at_any_size(info) -> dict:
     """A plain model's state and a plain AdamW's (two local steps: every rank the same) load at
@@ -311,13 +440,15 @@ CASES = {
     "smooth_ws3": _case_smooth_ws3,
     "memory": _case_memory,
     "states": _case_states_at_any_size,
+    "gathered": _case_gathered,
+    "subgroup": _case_subgroup,
 }
 world = worlds.fixture(
     CASES,
     {
         1: ["equal_to_ddp"],
-        2: ["equal_to_ddp", "accumulation", "fully_shard", "memory", "states"],
-        3: ["one_step_ws3", "smooth_ws3", "memory", "states"],
+        2: ["equal_to_ddp", "accumulation", "fully_shard", "memory", "states", "gathered"],
+        3: ["one_step_ws3", "smooth_ws3", "memory", "states", "gathered", "subgroup"],
     },
 )
 
@@ -328,13 +459,24 @@ world = worlds.fixture(
 def test_bitwise_equal_to_the_ddp_wrapper_every_step(world, world_size, case):
     """At ws <= 2, after every one of 12 steps the whole parameters equal the DDP wrapper's with
     the same optimizer bitwise; the same gradients are None; the final optimizer state, in the
-    plain optimizer's layout, is equal."""
+    plain optimizer's layout, is equal; a forward then uses the same (rank 0's) buffers."""
     for rank, r in enumerate(worlds.outcome(world(world_size), "equal_to_ddp")):
         d = r[case]
         print(f"{case} ws={world_size} rank={rank}: max|diff|={d['max_diff']:.3g}")
         assert all(d["steps_equal"]), (rank, d["steps_equal"], d["max_diff"])
         assert all(d["none_equal"]), (rank, d["nones"])
         assert d["state_diff"] == 0.0, (rank, d["state_diff"])
+        assert d["buffers_equal"], rank
+
+
+@pytest.mark.parametrize("case", [f"{n}-{k}-{s}" for n, k, s in EQUALITY])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gradient_norms_and_clipping_equal_the_ddp_wrappers(world, world_size, case):
+    """grad_norm(1, 2, inf) of the whole gradient equals torch's norm of the DDP wrapper's
+    gradient (NORM_RTOL; the inf-norm exactly), and after clip_grad_norm_ to half its inf-norm
+    both gradients have the same 2-norm."""
+    for rank, r in enumerate(worlds.outcome(world(world_size), "equal_to_ddp")):
+        _check_norms(r[case], rank)
 
 
 def test_unused_and_frozen_parameters_keep_grad_none(world):
@@ -351,6 +493,18 @@ def test_gradient_accumulation_under_no_sync_is_bitwise_equal_to_ddp(world, stag
     for rank, r in enumerate(worlds.outcome(world(2), "accumulation")):
         assert all(r[stage]["steps_equal"]), (rank, r[stage]["max_diff"])
         assert r[stage]["state_diff"] == 0.0
+
+
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_synchronized_backwards_accumulate_like_the_ddp_wrapper(world, stage):
+    """Three synchronized backwards per step, no zero_grad between them: each adds its mean to
+    the shards' .grad, as to the DDP wrapper's .grad; 12 SGD steps of the tanh MLP end within
+    SMOOTH_ATOL (the wrappers round the running sum differently: (m1 + g2_r) / 2 summed over
+    ranks against m1 + the mean of g2)."""
+    for rank, r in enumerate(worlds.outcome(world(2), "accumulation")):
+        d = r[f"{stage}-synced"]
+        print(f"synced accumulation stage {stage} rank={rank}: max|diff|={d['max_diff']:.3g}")
+        assert d["max_diff"] <= SMOOTH_ATOL and d["state_diff"] <= SMOOTH_ATOL, (rank, d)
 
 
 def test_equal_to_torch_fully_shard(world):
@@ -400,3 +554,49 @@ def test_plain_states_load_at_any_world_size_and_come_back_bitwise(world, world_
     for rank, r in enumerate(worlds.outcome(world(world_size), "states")):
         for name, d in r.items():
             assert d["model"] and d["optimizer"] == 0.0, (rank, name, d)
+
+
+@pytest.mark.parametrize("case", [f"{n}-{k}-{s}" for n, k, s in SUBGROUP])
+def test_on_a_subgroup_bitwise_equal_to_the_ddp_wrapper_on_it(world, case):
+    """On process_group = ranks [1, 2] of 3, the sharded wrapper trains as the DDP wrapper on
+    that group, bitwise after every step (gradients are the mean over the group's 2 ranks, not
+    the world's 3), from the group's rank 0's weights; rank 0 takes no part."""
+    results = worlds.outcome(world(3), "subgroup")
+    assert results[0] is None
+    for rank, r in enumerate(results[1:], start=1):
+        d = r[case]
+        print(f"subgroup {case} rank={rank}: max|diff|={d['max_diff']:.3g}")
+        assert all(d["steps_equal"]), (rank, d["steps_equal"], d["max_diff"])
+        assert all(d["none_equal"]), (rank, d["nones"])
+        assert d["state_diff"] == 0.0, (rank, d["state_diff"])
+        _check_norms(d, rank)
+
+
+def _unit_bytes(world_size: int) -> dict[str, int]:
+    """What each unit of the size-policy _Wide holds gathered: its parameters laid out as the
+    wrapper lays them (flat_layout: aligned, padded to world_size equal shards), in bytes."""
+    units = ["", "layers.0", "layers.1", "layers.2"]
+    numels: dict[str, list[int]] = {u: [] for u in units}
+    for name, p in _Wide().named_parameters():
+        owner = max((u for u in units if name.startswith(f"{u}.") or not u), key=len)
+        numels[owner].append(p.numel())
+    itemsize = torch.float32.itemsize
+    return {u: flat_layout(n, world_size).padded_numel * itemsize for u, n in numels.items()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_zero3_frees_units_between_forward_and_backward(world, world_size):
+    """Between a training forward and its backward ZeRO-3 holds only the root unit gathered
+    (its backward runs first) and ZeRO-2 every unit, each at its whole (padded) size; after the
+    backward, a forward under no_grad, state_dict(), optim_state_dict() and summon_full_params
+    (inside which every unit is whole), no unit holds gathered parameters."""
+    whole = _unit_bytes(world_size)
+    none = dict.fromkeys(whole, 0)
+    root_only = {**none, "": whole[""]}
+    for rank, r in enumerate(worlds.outcome(world(world_size), "gathered")):
+        assert r[3]["after_forward"] == root_only, (rank, r[3]["after_forward"], whole)
+        assert r[2]["after_forward"] == whole, (rank, r[2]["after_forward"], whole)
+        for stage in (2, 3):
+            assert r[stage]["summoned"] == whole, (rank, stage, r[stage]["summoned"])
+            for when in ("backward", "eval", "state_dict", "optim_state_dict", "summon"):
+                assert r[stage][f"after_{when}"] == none, (rank, stage, when, r[stage])

@@ -80,7 +80,7 @@ world = worlds.fixture({"errors": _case_errors}, {2: ["errors"]})
 
 
 ERRORS = {
-    "comm_hook": "reduce-scatters gradients, so a DDP comm hook",
+    "comm_hook": "reduce-scatters gradients: a DDP comm hook",
     "join": "uneven inputs (torch's Join) are not supported",
     "module_directly": "outside the wrapper's forward",
     "state_dict_mid_step": "state_dict() runs between steps",

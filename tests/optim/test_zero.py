@@ -95,24 +95,29 @@ def _param_groups(model: torch.nn.Module) -> list[dict]:
     ]
 
 
-def _optimizer(opt_name: str, model: torch.nn.Module, sharded: bool, add_group: bool = False):
+def _optimizer(
+    opt_name: str, model: torch.nn.Module, sharded: bool, add_group: bool = False, group=None
+):
     cls, defaults = OPTIMIZERS[opt_name]
     groups = _param_groups(model)
     first = groups[:1] if add_group else groups
-    opt = ZeroRedundancyOptimizer(first, cls, **defaults) if sharded else cls(first, **defaults)
+    if sharded:
+        opt = ZeroRedundancyOptimizer(first, cls, process_group=group, **defaults)
+    else:
+        opt = cls(first, **defaults)
     if add_group:
         opt.add_param_group(groups[1])
     return opt
 
 
-def _same_on_every_rank(model: torch.nn.Module) -> bool:
+def _same_on_every_rank(model: torch.nn.Module, group=None) -> bool:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, flat)
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, flat, group=group)
     return all(torch.equal(t, everyone[0]) for t in everyone)
 
 
-def _train(model, opt, rank: int, steps: int, first_step: int = 0, **options):
+def _train(model, opt, rank: int, steps: int, first_step: int = 0, group=None, **options):
     scheduler = options.get("scheduler")
     replicas_same = []
     for step in range(first_step, first_step + steps):
@@ -123,7 +128,7 @@ def _train(model, opt, rank: int, steps: int, first_step: int = 0, **options):
         opt.step()
         if scheduler is not None:
             scheduler.step()
-        replicas_same.append(_same_on_every_rank(model))
+        replicas_same.append(_same_on_every_rank(model, group))
     return replicas_same
 
 
@@ -213,7 +218,39 @@ def _error_cases(rank: int) -> dict:
     return messages
 
 
-def _run_world(cases: list[str], save_path: str | None, resume_path: str | None) -> dict:
+def _subgroup_case(rank: int) -> dict | None:
+    """Ranks 1 and 2 of 3: the DDP wrapper on their group with ZeRO on it and with the plain
+    optimizer, while rank 0 waits. Last in its world: only the group's ranks create the
+    wrapper's own groups, so the ranks no longer agree on the next group's number afterwards."""
+    group = dist.new_group(ranks=[1, 2])  # every rank must create it; only 1 and 2 join
+    out = None
+    if rank in (1, 2):
+        out = {}
+        for opt_name in ("adamw", "sgd"):
+            torch.manual_seed(1234 + rank)  # different weights per rank: the wrapper takes 1's
+            base = toy_models.make("lenet")
+            runs = {}
+            for sharded in (True, False):
+                model = ddptrain.DistributedDataParallel(copy.deepcopy(base), process_group=group)
+                opt = _optimizer(opt_name, model, sharded, group=group)
+                replicas = _train(model, opt, dist.get_rank(group), STEPS, group=group)
+                runs[sharded] = (model, opt, replicas)
+            (zero_model, zero_opt, replicas), (plain_model, plain_opt, _) = runs[True], runs[False]
+            pairs = list(zip(zero_model.parameters(), plain_model.parameters(), strict=True))
+            out[opt_name] = {
+                "bitwise": all(torch.equal(a, b) for a, b in pairs),
+                "max_diff": max((a - b).abs().max().item() for a, b in pairs),
+                "replicas_same": replicas,
+                "state_diff": optimizer_state_diff(zero_opt.state_dict(), plain_opt.state_dict()),
+                "state_elements": (_state_elements(zero_opt), _state_elements(plain_opt)),
+            }
+    dist.barrier()
+    return out
+
+
+def _run_world(
+    cases: list[str], save_path: str | None, resume_path: str | None, subgroup: bool = False
+) -> dict:
     info = ddptrain.init_distributed()
     out = {name: _equivalence_case(name, info.rank) for name in cases}
     if save_path:
@@ -221,6 +258,8 @@ def _run_world(cases: list[str], save_path: str | None, resume_path: str | None)
         out["errors"] = _error_cases(info.rank)
     if resume_path:
         out["resume"] = _resume_cases(resume_path, info.rank)
+    if subgroup:
+        out["subgroup"] = _subgroup_case(info.rank)
     return out
 
 
@@ -262,7 +301,7 @@ def ws2(checkpoint_path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def ws3(ws2, checkpoint_path) -> list[dict]:
-    return ddptrain.spawn(_run_world, 3, list(CASES), None, checkpoint_path, timeout_s=300)
+    return ddptrain.spawn(_run_world, 3, list(CASES), None, checkpoint_path, True, timeout_s=300)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -326,6 +365,24 @@ def test_ranks_with_different_parameters_get_the_same_error(ws2):
         assert "different parameters" in messages[0] and "rank 1" in messages[0]
     assert "[4, 4]" in ws2[0]["errors"]["different"]
     assert "not contiguous" in ws2[0]["errors"]["not_contiguous"]
+
+
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_on_a_subgroup_bitwise_equal_to_unsharded_on_it(ws3, opt_name):
+    """With process_group = ranks [1, 2] of 3 (the wrapper's too), 20 steps equal the plain
+    optimizer's bitwise (each rank steps half of the state, shared within the group), replicas
+    agree after every step, each rank holds half of the state; rank 0 takes no part."""
+    assert ws3[0]["subgroup"] is None
+    shares = []
+    for rank, r in enumerate(ws3[1:], start=1):
+        d = r["subgroup"][opt_name]
+        print(f"subgroup {opt_name} rank={rank}: max|diff|={d['max_diff']:.3g}")
+        assert d["bitwise"] and d["state_diff"] == 0.0, (rank, d["max_diff"], d["state_diff"])
+        assert len(d["replicas_same"]) == STEPS and all(d["replicas_same"]), rank
+        shares.append(d["state_elements"][0])
+    total = ws3[1]["subgroup"][opt_name]["state_elements"][1]
+    assert sum(shares) == total
+    assert all(abs(share - total / 2) <= 0.02 * total / 2 for share in shares), shares
 
 
 def test_resume_at_ws3_equals_unsharded_resume(ws3):

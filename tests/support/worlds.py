@@ -7,7 +7,9 @@
         per_rank = worlds.outcome(world(2), "sum")   # [rank 0's result, ...]; fails with traceback
 
 A case that raises is recorded with its traceback; the cases after it in that world are not
-run (a failed collective may leave the ranks out of step) and their tests fail saying so.
+run (a failed collective may leave the ranks out of step) and their tests fail saying so. A
+failed case's test shows every failing rank's error, root causes first: a rank whose peer
+failed usually fails too, with a closed connection or a timeout that says nothing of why.
 Collectives time out after COLLECTIVE_TIMEOUT_S, so a broken collective fails its test in well
 under a minute instead of hanging until the world's timeout.
 """
@@ -15,6 +17,7 @@ under a minute instead of hanging until the world's timeout.
 from __future__ import annotations
 
 import functools
+import re
 import socket
 import traceback
 from collections.abc import Callable
@@ -29,6 +32,15 @@ import ddptrain
 COLLECTIVE_TIMEOUT_S = 30.0
 # A whole world (every case of a module): the last resort, if a case hangs outside collectives.
 WORLD_TIMEOUT_S = 540.0
+# What a rank raises when a peer failed first (gloo's and the store's words for a peer gone or
+# silent, and run_cases' own for a case skipped), matched in the error's first lines only: a
+# traceback may quote code that says "timeout".
+_CONSEQUENCE = re.compile(
+    r"closed by peer|reset by peer|broken pipe|connection refused|timed out|timeout"
+    r"|^not run: case",
+    re.IGNORECASE | re.MULTILINE,
+)
+_TRACEBACK = "\nTraceback (most recent call last):"
 
 
 def run_cases(cases: dict[str, Callable[[Any], Any]], names: list[str]) -> dict[str, tuple]:
@@ -65,12 +77,36 @@ def _setup_and_run(
 
 
 def outcome(results: list[dict[str, tuple]], name: str) -> list[Any]:
-    """Each rank's result of case `name`, by rank; fails the test with a rank's traceback."""
-    for rank, per_case in enumerate(results):
-        ok, value = per_case[name]
-        if not ok:
-            pytest.fail(f"case {name!r} failed on rank {rank}: {value}", pytrace=False)
+    """Each rank's result of case `name`, by rank; fails the test with every failing rank's
+    traceback, root causes first (failure_report)."""
+    failed = failures(results, name)
+    if failed:
+        pytest.fail(failure_report(name, failed), pytrace=False)
     return [per_case[name][1] for per_case in results]
+
+
+def is_consequence(error: str) -> bool:
+    """Whether a rank's error reads as the result of a peer's failure (a connection closed or
+    reset by the peer, a timeout, a case not run) rather than a cause of its own."""
+    return bool(_CONSEQUENCE.search(error.split(_TRACEBACK, 1)[0]))
+
+
+def failures(results: list[dict[str, tuple]], name: str) -> list[tuple[int, str]]:
+    """(rank, error) of every rank whose case `name` failed: the errors of their own first,
+    then the consequences of a peer's failure; by rank within each."""
+    failed = [
+        (rank, per_case[name][1]) for rank, per_case in enumerate(results) if not per_case[name][0]
+    ]
+    return sorted(failed, key=lambda f: is_consequence(f[1]))
+
+
+def failure_report(name: str, failed: list[tuple[int, str]]) -> str:
+    """The failure message of a test whose case `name` failed on the ranks of `failed`."""
+    ranks = ", ".join(str(rank) for rank, _ in failed)
+    lines = [f"case {name!r} failed on rank{'s' if len(failed) > 1 else ''} {ranks}:"]
+    for rank, error in failed:
+        lines.append(f"--- rank {rank} ---\n{error}")
+    return "\n".join(lines)
 
 
 def spawner(

@@ -410,6 +410,7 @@ def test_ctrl_c_under_ddptrain_run_is_one_story_and_exit_status_76(tmp_path):
     last = out.rstrip("\n").splitlines()[-1]
     assert last.startswith(f"ddptrain: stopped at step {step} on SIGINT"), out
     assert "exiting with code 76" in last, out
+    assert last.endswith("Run the same command again to continue from there."), out
     assert "Traceback" not in out and "SignalException" not in out, out
     assert max(_steps_logged(tmp_path, "c")) == step, out
     assert _resumes_bitwise(tmp_path, "c")

@@ -1,4 +1,5 @@
-"""The heartbeat names the real cause when a torchrun agent dies: the agent, not its store."""
+"""The heartbeat names the real cause when a torchrun agent dies (the agent, not its store), and
+does not call lost a peer that stopped beating on purpose."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
+import ddptrain
 from ddptrain.train import health
 
 
@@ -67,3 +69,33 @@ def test_a_store_failing_as_the_agent_exits_is_reported_as_the_agent(world_of_on
     assert lost.wait(20)
     heartbeat.stop()
     assert causes == [f"its torchrun agent (pid {agent}) is gone"], causes
+
+
+def _peer_stops(error: str | None) -> dict:
+    """Rank 1 stops its heartbeat (cleanly, or telling why it leaves) and stays alive without
+    beating; rank 0 then asks which peers are lost and which left with an error."""
+    import ddptrain
+
+    info = ddptrain.init_distributed(timeout_s=60)
+    heartbeat = health.Heartbeat(timeout_s=30, interval_s=0.05).start()
+    dist.barrier()
+    if info.rank == 1:
+        heartbeat.stop(error=error)
+    dist.barrier()
+    out = None
+    if info.rank == 0:
+        # Ten beats of silence: a peer still counted would be lost by then.
+        out = {"lost": heartbeat.lost_ranks(wait_s=0.5), "failed": heartbeat.failed_peers()}
+    dist.barrier()
+    heartbeat.stop()
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("error", [None, "ValueError: bad batch"])
+def test_a_peer_that_stopped_beating_on_purpose_is_not_lost(error):
+    """A peer that stopped its heartbeat, finished or leaving with an error, is not called lost
+    however long it stays silent; one that left with an error is named with it."""
+    lost_and_failed = ddptrain.spawn(_peer_stops, 2, error, timeout_s=90)[0]
+    assert lost_and_failed["lost"] == [], lost_and_failed
+    assert lost_and_failed["failed"] == ({1: error} if error else {}), lost_and_failed

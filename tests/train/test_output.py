@@ -8,6 +8,7 @@ import torch
 
 from ddptrain.train import build, output
 from ddptrain.train import metrics as logs
+from ddptrain.train.config import TrainerConfig
 
 RECORDS = [
     {"event": "start", "step": 0, "time_s": 0.0, "world_size": 2, "precision": "fp32"},
@@ -103,18 +104,15 @@ def _banner(epochs, max_steps, total_steps, batches_per_epoch=235, accum=1):
     """describe_run's line for a ws=2 run whose sampler has no batches left in its epoch."""
     from types import SimpleNamespace as NS
 
-    cfg = NS(
-        epochs=epochs,
-        max_steps=max_steps,
-        grad_accum_steps=accum,
-        micro_global_batch_size=256,
-        global_batch_size=256,
-        precision="fp32",
+    cfg = TrainerConfig(
+        epochs=epochs, max_steps=max_steps, grad_accum_steps=accum, global_batch_size=256
     )
     info = NS(launcher="spawn", world_size=2, backend="gloo", device="cpu")
     # len() 0, like a sampler resumed at an epoch's end.
     sampler = type(
-        "Sampler", (), {"batches_per_epoch": batches_per_epoch, "__len__": lambda s: 0}
+        "Sampler",
+        (),
+        {"batches_per_epoch": batches_per_epoch, "world_size": 2, "__len__": lambda s: 0},
     )()
     model = NS(bucket_sizes_bytes=[2**20])
     by_epochs = build.epoch_steps(cfg, sampler)

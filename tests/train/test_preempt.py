@@ -23,7 +23,7 @@ from ddptrain.dist import DistInfo
 from ddptrain.train import checkpoint as ckpt
 from ddptrain.train.config import ConfigError, TrainerConfig
 from ddptrain.train.health import LOST_RANK_EXIT_CODE
-from ddptrain.train.preempt import PREEMPTED_EXIT_CODE, Preempted, StopRequest
+from ddptrain.train.preempt import PREEMPTED_EXIT_CODE, Agreed, Preempted, StopRequest
 from support.toy_models import ToyTrainer, flat_params
 
 ALONE = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
@@ -267,3 +267,68 @@ def test_timed_checkpoints_are_agreed_by_every_rank_and_change_nothing(tmp_path)
     assert steps == list(range(1, 9))
     for r in results:
         assert torch.equal(r["timed"]["params"], r["plain"]["params"])
+
+
+class _OrphanedTrainer(ToyTrainer):
+    """Rank `orphan`'s launcher goes away during step `at` (its parent process no longer is
+    the agent it started under, as for a worker whose torchrun agent died); the others keep
+    theirs. The step waits for that rank's heartbeat to notice, so the run cannot end first."""
+
+    def __init__(self, config: TrainerConfig, orphan: int, at: int) -> None:
+        super().__init__(config, dropout=0.3)
+        self.orphan, self.at = orphan, at
+
+    def training_step(self, model, batch):
+        if self.step == self.at and self.info.rank == self.orphan:
+            os.getppid = lambda: 1  # reparented to init: what a worker sees when its agent dies
+            deadline = time.monotonic() + 60
+            while self._heartbeat.launcher_lost is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return super().training_step(model, batch)
+
+
+def _one_launcher_lost(config: TrainerConfig, root: str) -> dict:
+    """A straight run, the run where rank 1's launcher goes in step 4, and that run resumed."""
+    straight = _outcome(ToyTrainer(replace(config, checkpoint_dir=f"{root}/straight"), 0.3))
+    real_getppid = os.getppid
+    try:
+        stopped = _outcome(_OrphanedTrainer(config, orphan=1, at=3))
+    finally:
+        os.getppid = real_getppid
+    resumed = _outcome(ToyTrainer(config, dropout=0.3))
+    return {"straight": straight, "stopped": stopped, "resumed": resumed, "agent": os.getppid()}
+
+
+def test_one_rank_losing_its_launcher_stops_every_rank_with_the_lost_rank_code(tmp_path):
+    """Under torchrun-like agents, rank 1's agent goes away mid-run while rank 0's stays: both
+    ranks save the same step and stop with the lost-rank code (75, which asks for a restart),
+    not rank 0 with the signal code (76); rank 0 names rank 1's agent; the rerun ends bitwise
+    equal to a run never stopped."""
+    config = _config(str(tmp_path))
+    # A torchrun agent's variable: each rank then watches its parent as its agent.
+    env = {"TORCHELASTIC_RUN_ID": "lost-launcher-test"}
+    results = ddptrain.spawn(_one_launcher_lost, 2, config, str(tmp_path), env=env, timeout_s=240)
+    steps = {r["stopped"].get("stopped_at") for r in results}
+    assert len(steps) == 1 and None not in steps, [r["stopped"] for r in results]
+    (step,) = steps
+    assert step >= 4, step
+    for rank, r in enumerate(results):
+        assert r["stopped"]["code"] == LOST_RANK_EXIT_CODE, (rank, r["stopped"])
+        assert r["resumed"]["summary"]["step"] == r["straight"]["summary"]["step"] == 16
+        assert torch.equal(r["resumed"]["params"], r["straight"]["params"])
+    message = results[0]["stopped"]["message"]
+    agent = results[1]["agent"]
+    assert f"on its torchrun agent (pid {agent}) is gone (rank 1)" in message, message
+    assert f"exiting with code {LOST_RANK_EXIT_CODE}" in message, message
+    ckpt.verify_checkpoint(tmp_path / "ckpt" / f"ckpt-{step:08d}.pt")
+
+
+def test_the_stop_line_says_how_to_continue_as_the_run_was_configured():
+    """With resume='auto' the same command continues; without it, the line names the setting
+    and its flag instead of promising what the same command would not do."""
+    agreed = Agreed(True, 76, {"SIGTERM": [0, 1]})
+    resumes = agreed.message(5, "saved ckpt/ckpt-00000005.pt in 0.01 s", resumes=True)
+    fresh = agreed.message(5, "saved ckpt/ckpt-00000005.pt in 0.01 s", resumes=False)
+    assert resumes.startswith("ddptrain: stopped at step 5 on SIGTERM (ranks 0, 1): saved")
+    assert resumes.endswith("Run the same command again to continue from there.")
+    assert fresh.endswith("Run it again with resume='auto' (--resume auto) to continue from there.")

@@ -79,9 +79,7 @@ def test_clipping_is_bitwise_the_same_at_every_zero_stage(tmp_path):
     """With an active grad_clip_norm every stage clips by the exact norm (ddp/exact.py), whose
     bits do not depend on how the gradient is split: stages 0, 1, 2 and 3 end bitwise equal
     after 32 steps at ws=2, and the clip was active."""
-    runs = [
-        (_config(tmp_path / f"s{s}", zero_stage=s, grad_clip_norm=0.05),) for s in (0, 1, 2, 3)
-    ]
+    runs = [(_config(tmp_path / f"s{s}", zero_stage=s, grad_clip_norm=0.05),) for s in (0, 1, 2, 3)]
     runs.append((_config(tmp_path / "free", zero_stage=0),))
     results = ddptrain.spawn(_fits, 2, runs, timeout_s=240)
     for rank_results in results:

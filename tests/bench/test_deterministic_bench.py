@@ -1,0 +1,44 @@
+"""The deterministic mode's cost report (--deterministic): a smoke run and its summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddptrain.bench import deterministic
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_quick_run_times_both_modes_and_measures_their_memory(tmp_path):
+    """--deterministic --quick: one row (the recipe's LeNet, world size 2) with both modes'
+    step times and training peaks, written to deterministic.json."""
+    deterministic.main(["--deterministic", "--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "deterministic.json").read_text())
+    (row,) = saved["rows"]
+    assert (row["model"], row["world_size"]) == ("lenet-recipe", 2)
+    assert row["micro_batches_per_rank"] == 4
+    assert row["default_ms"] > 0 and row["deterministic_ms"] > 0 and row["ratio"] > 0
+    assert row["default_train_peak_bytes"] > row["grad_bytes"] > 0
+    assert row["deterministic_train_peak_bytes"] > row["grad_bytes"]
+
+
+def test_summary_pairs_rounds_and_counts_extra_memory_in_gradient_copies():
+    """The ratio is the median of per-round ratios (not of the medians); the extra memory is
+    the deterministic peak's excess over the default one, worst rank, in gradient sizes."""
+    times = {"m": {2: {"default": [1.0, 2.0, 10.0], "deterministic": [1.5, 2.2, 10.5]}}}
+    memory = {
+        "m": {
+            2: {
+                mode: [{"train_peak_bytes": p, "grad_bytes": 100} for p in peaks]
+                for mode, peaks in (("default", [300, 320]), ("deterministic", [480, 500]))
+            }
+        }
+    }
+    (row,) = deterministic.summarize(times, memory, {"micro_batches": 8})["rows"]
+    assert row["ratio"] == pytest.approx(1.1)  # per round: 1.5, 1.1, 1.05
+    assert row["default_ms"] == 2000.0 and row["deterministic_ms"] == 2200.0
+    assert row["extra_grad_copies"] == pytest.approx(1.8)
+    assert row["micro_batches_per_rank"] == 4
+    assert "1.100x" in deterministic.format_table({"rows": [row]})

@@ -1,0 +1,383 @@
+"""Same bits at any world size (deterministic=True): the user's loop and the Trainer end on the
+same parameters, buffers, optimizer state, logged loss and evaluation at world sizes 1-4, at
+every ZeRO stage, and across resumes at other world sizes; the float reduction does not.
+
+One spawned world per size runs the loops (worlds.run_cases); the resume chain spawns its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddptrain
+from ddptrain.data import MicroBatchSampler
+from ddptrain.models import LeNet
+from ddptrain.train.config import ConfigError, TrainerConfig
+from ddptrain.train.gradients import NonFiniteError
+from ddptrain.train.trainer import Trainer
+from support import worlds
+from support.doc_blocks import python_block
+
+WORLD_TIMEOUT_S = 540
+pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
+
+# 12 micro-batches a step: world sizes 1, 2, 3, 4 (and 6, 12) share them evenly.
+GLOBAL, MICRO, STEPS = 24, 2, 3
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class TiedBranchNet(nn.Module):
+    """Tied input/output embeddings, a branch some micro-batches take (by their data, never by
+    rank) and a layer no micro-batch uses."""
+
+    def __init__(self, vocab: int = 20, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.hidden = nn.Linear(dim, dim)
+        self.branch = nn.Linear(dim, dim)
+        self.never_used = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.hidden(self.drop(self.embed(tokens))))
+        if int(tokens[0, 0]) % 3 == 0:
+            h = h + torch.tanh(self.branch(h))
+        return F.log_softmax(self.out(h), dim=-1)
+
+
+def _data(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    n = GLOBAL * STEPS
+    if kind == "lenet":
+        return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+    return torch.randint(0, 20, (n, 6), generator=g), torch.randint(0, 20, (n, 6), generator=g)
+
+
+def _loop(info, kind: str, stage: int = 0, deterministic: bool = True) -> dict:
+    """The user's own loop: micro-batch k of a step is the same samples at any world size;
+    one backward each under no_sync(), the last synchronized."""
+    torch.manual_seed(0)
+    net = LeNet(dropout=0.3, width=1, batchnorm=True) if kind == "lenet" else TiedBranchNet()
+    if stage >= 2:
+        model = ddptrain.FSDP(
+            net, deterministic=True, reshard_after_forward=stage == 3, unit_min_numel=100
+        )
+    else:
+        model = ddptrain.DDP(net, deterministic=deterministic)
+    if stage == 1:
+        opt = ddptrain.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _data(kind)
+    world_size, rank = info.world_size, info.rank
+    rounds = GLOBAL // (MICRO * world_size)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        for j in range(rounds):
+            k = step * GLOBAL // MICRO + j * world_size + rank
+            xb, yb = x[k * MICRO : (k + 1) * MICRO], y[k * MICRO : (k + 1) * MICRO]
+            with model.no_sync() if j < rounds - 1 else torch.enable_grad():
+                out = model(xb)
+                loss = F.nll_loss(out.reshape(-1, out.shape[-1]), yb.reshape(-1))
+                (loss if deterministic else loss / rounds).backward()
+        opt.step()
+    if stage >= 2:
+        state, optim = model.state_dict(), model.optim_state_dict(opt)
+    else:
+        state, optim = net.state_dict(), opt.state_dict()
+    tensors = [state[k] for k in sorted(state)]
+    if optim is not None:
+        tensors += [t for s in optim["state"].values() for t in s.values() if torch.is_tensor(t)]
+    grads = [p.grad for p in net.parameters() if p.grad is not None] if stage < 2 else []
+    return {
+        "state": _digest(tensors),
+        "model": _digest([state[k] for k in sorted(state)]),
+        "never_used_grad": None if kind == "lenet" or stage >= 2 else net.never_used.weight.grad,
+        "grads": len(grads),
+    }
+
+
+def _case_lenet(info) -> dict:
+    return _loop(info, "lenet")
+
+
+def _case_tied_branch(info) -> dict:
+    return _loop(info, "tied")
+
+
+def _case_float_sums(info) -> dict:
+    return _loop(info, "lenet", deterministic=False)
+
+
+def _case_stages(info) -> dict:
+    return {stage: _loop(info, "lenet", stage=stage) for stage in (1, 2, 3)}
+
+
+def _case_guide_loop(info) -> str:
+    """The guide's own-loop example, run as written on 192 samples (two steps)."""
+    import contextlib
+
+    from torch.utils.data import DataLoader
+
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(192, 1, 28, 28, generator=g), torch.randint(0, 10, (192,), generator=g)
+    torch.manual_seed(0)
+    net = LeNet(dropout=0.3, width=1, batchnorm=True)
+    scope = {
+        "contextlib": contextlib,
+        "torch": torch,
+        "F": F,
+        "DataLoader": DataLoader,
+        "ddptrain": ddptrain,
+        "net": net,
+        "dataset": TensorDataset(x, y),
+        "opt": torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+        "rank": info.rank,
+        "world_size": info.world_size,
+    }
+    exec(python_block("docs/guide.md", "ddptrain.DDP(net, deterministic=True)"), scope)
+    state = net.state_dict()
+    return _digest([state[k] for k in sorted(state)])
+
+
+CASES = {
+    "lenet": _case_lenet,
+    "guide_loop": _case_guide_loop,
+    "tied_branch": _case_tied_branch,
+    "float_sums": _case_float_sums,
+    "stages": _case_stages,
+}
+BY_WORLD = {
+    1: list(CASES),
+    2: ["lenet", "tied_branch"],
+    3: list(CASES),
+    4: ["lenet", "tied_branch", "guide_loop"],
+}
+world = worlds.fixture(CASES, BY_WORLD, timeout_s=WORLD_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("kind", ["lenet", "tied_branch"])
+def test_the_users_loop_ends_on_the_same_bits_at_world_sizes_1_to_4(world, kind):
+    """DDP(deterministic=True) in a plain no_sync() loop: parameters, buffers (BatchNorm
+    statistics) and AdamW state are bitwise the same on every rank at world sizes 1, 2, 3, 4
+    (LeNet with BatchNorm and dropout; tied embeddings, a branch some micro-batches take, a
+    layer none uses, which keeps grad=None)."""
+    digests = {ws: {r["state"] for r in worlds.outcome(world(ws), kind)} for ws in (1, 2, 3, 4)}
+    assert all(len(d) == 1 for d in digests.values()), digests
+    assert len(set.union(*digests.values())) == 1, digests
+    if kind == "tied_branch":
+        assert all(r["never_used_grad"] is None for r in worlds.outcome(world(3), kind))
+
+
+def test_the_guides_own_loop_ends_on_the_same_bits_at_world_sizes_1_3_4(world):
+    """The guide's example loop (MicroBatchSampler, no_sync(), the undivided loss) ends on
+    the same LeNet bits at world sizes 1, 3 and 4."""
+    digests = {r for ws in (1, 3, 4) for r in worlds.outcome(world(ws), "guide_loop")}
+    assert len(digests) == 1, digests
+
+
+def test_the_float_reduction_changes_with_the_world_size(world):
+    """The oracle can fail: the same loop with float sums (deterministic=False, torch's idiom)
+    ends elsewhere at world size 3 than at 1, while the exact mode's does not."""
+    one, three = (worlds.outcome(world(ws), "float_sums")[0]["model"] for ws in (1, 3))
+    assert one != three
+    exact = {worlds.outcome(world(ws), "lenet")[0]["model"] for ws in (1, 3)}
+    assert len(exact) == 1
+
+
+def test_zero_stages_1_2_3_end_on_the_ddp_wrappers_bits(world):
+    """ZeRO-1 (sharded AdamW), ZeRO-2 and ZeRO-3 in deterministic mode end on the DDP
+    wrapper's parameters and buffers, at world sizes 1 and 3."""
+    ddp = worlds.outcome(world(1), "lenet")[0]["model"]
+    for ws in (1, 3):
+        for stage in (1, 2, 3):
+            assert {r[stage]["model"] for r in worlds.outcome(world(ws), "stages")} == {ddp}
+
+
+# ------------------------------------------------------------------------------ the Trainer
+class _Crash(RuntimeError):
+    pass
+
+
+class _Trainer(Trainer):
+    def __init__(self, config: TrainerConfig, crash_at: int | None = None) -> None:
+        super().__init__(config)
+        self.crash_at = crash_at
+
+    def build_model(self) -> nn.Module:
+        return LeNet(dropout=0.3, width=1, batchnorm=True)
+
+    def build_datasets(self):
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(120, 1, 28, 28, generator=g), torch.randint(0, 10, (120,), generator=g)
+        return TensorDataset(x[:96], y[:96]), TensorDataset(x[96:], y[96:])
+
+    def configure_optimizers(self, model: nn.Module):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.total_steps)
+
+    def training_step(self, model, batch):
+        if self.step + 1 == self.crash_at:
+            raise _Crash(f"crashed in step {self.crash_at}")
+        x, y = batch
+        return F.nll_loss(model(x), y)
+
+    def validation_step(self, model, batch):
+        x, y = batch
+        out = model(x)
+        return {"loss": F.nll_loss(out, y, reduction="sum"), "accuracy": (out.argmax(1) == y).sum()}
+
+
+def _config(root: str, **overrides) -> TrainerConfig:
+    settings = {
+        "global_batch_size": 24,
+        "micro_batch_size": 2,
+        "deterministic": True,
+        "epochs": 3,
+        "eval_batch_size": 7,
+        "log_every_steps": 2,
+        "log_dir": f"{root}/logs",
+        "checkpoint_dir": f"{root}/ckpt",
+        "checkpoint_every_steps": 4,
+        "resume": "auto",
+        "progress_bar": False,
+        "seed": 3,
+        "grad_clip_norm": 1.0,
+    }
+    return TrainerConfig(**{**settings, **overrides})
+
+
+def _fit(root: str, crash_at: int | None = None) -> dict | None:
+    trainer = _Trainer(_config(root), crash_at)
+    try:
+        summary = trainer.fit()
+    except _Crash:
+        return None
+    if trainer.info.rank != 0:
+        return None
+    state = torch.load(sorted(Path(root, "ckpt").glob("ckpt-*.pt"))[-1], weights_only=True)
+    records = [json.loads(line) for line in Path(root, "logs", "metrics.jsonl").open()]
+    return {
+        "model": _digest([state["model"][k] for k in sorted(state["model"])]),
+        "optimizer": _digest([t for s in state["optimizer"]["state"].values() for t in s.values()]),
+        "eval": summary["eval"],
+        "losses": [(r["step"], r["loss"]) for r in records if "loss" in r],
+    }
+
+
+def test_the_trainer_resumed_at_4_then_3_then_2_ranks_equals_a_straight_run(tmp_path):
+    """A deterministic Trainer run (BatchNorm, dropout, clipping, a cosine schedule) on 4
+    ranks that crashes in step 6, resumed on 3 from its step-4 checkpoint, crashing in step 10,
+    and finished on 2 from step 8, ends on the checkpoint, evaluation and logged losses of a
+    straight run on 1, bitwise."""
+    straight = ddptrain.spawn(_fit, 1, str(tmp_path / "straight"), timeout_s=WORLD_TIMEOUT_S)
+    chain = str(tmp_path / "chain")
+    for world_size, crash_at in ((4, 6), (3, 10), (2, None)):
+        results = ddptrain.spawn(_fit, world_size, chain, crash_at, timeout_s=WORLD_TIMEOUT_S)
+    expected, got = straight[0], results[0]
+    assert got["model"] == expected["model"] and got["optimizer"] == expected["optimizer"]
+    assert got["eval"] == expected["eval"]
+    # The chain's log holds each piece's records: the same steps, the same losses.
+    assert dict(got["losses"]) == dict(expected["losses"])
+
+
+class _Spiking(_Trainer):
+    """Every micro-batch but a step's first has its loss scaled by 10**7."""
+
+    def training_step(self, model, batch):
+        self.calls = getattr(self, "calls", 0) + 1
+        first = (self.calls - 1) % (self.config.global_batch_size // self.config.micro_batch_size)
+        return super().training_step(model, batch) * (1.0 if first == 0 else 1e7)
+
+
+def _overflow_message(root: str) -> str:
+    try:
+        _Spiking(_config(root, grad_clip_norm=None)).fit()
+    except NonFiniteError as e:
+        return str(e)
+    return "no NonFiniteError"
+
+
+def test_an_overflowing_exact_sum_stops_the_step_and_says_why(tmp_path):
+    """A micro-batch gradient beyond the fixed-point range stops the run before the optimizer
+    step with one message naming the overflow, not a bare 'non-finite gradients'."""
+    message = ddptrain.spawn(_overflow_message, 1, str(tmp_path), timeout_s=WORLD_TIMEOUT_S)[0]
+    assert "step 1: non-finite gradients (the exact sums overflowed" in message, message
+
+
+# ------------------------------------------------------------------------------ no processes
+def test_micro_batch_k_holds_the_same_samples_at_every_world_size():
+    """MicroBatchSampler: rank r's j-th micro-batch of a step is micro-batch j * W + r, the
+    same samples at W = 1, 2, 3, 6, over two epochs with padding; a resumed position means the
+    same samples at another world size."""
+
+    def by_k(world_size: int, state: dict | None = None) -> dict:
+        out = {}
+        for rank in range(world_size):
+            sampler = MicroBatchSampler(
+                50, global_batch_size=12, micro_batch_size=2, rank=rank, world_size=world_size
+            )
+            if state is not None:
+                sampler.load_state_dict(state)
+            for epoch in range(2):
+                sampler.set_epoch(epoch)
+                indices = list(sampler)
+                batches = [indices[i : i + 2] for i in range(0, len(indices), 2)]
+                first = sampler.consumed_samples // 12
+                for j, micro_batch in enumerate(batches):
+                    step, within = divmod(j, 12 // (2 * world_size))
+                    out[(epoch, first + step, within * world_size + rank)] = micro_batch
+        return out
+
+    reference = by_k(1)
+    assert len(reference) == 2 * 5 * 6  # 50 samples padded to 5 steps of 6 micro-batches
+    for world_size in (2, 3, 6):
+        assert by_k(world_size) == reference
+    one = MicroBatchSampler(50, global_batch_size=12, micro_batch_size=2, rank=0, world_size=1)
+    one.mark_consumed(6 * 2)  # two steps of 6 rounds
+    resumed = by_k(3, one.state_dict())
+    assert {k: v for k, v in reference.items() if k[0] == 0 and k[1] >= 2} == {
+        k: v for k, v in resumed.items() if k[0] == 0
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"deterministic": True}, "set micro_batch_size"),
+        ({"micro_batch_size": 8}, "micro_batch_size splits steps with deterministic=True"),
+        ({"deterministic": True, "micro_batch_size": 8, "comm_hook": "bf16"}, "summed exactly"),
+        ({"deterministic": True, "micro_batch_size": 8, "comm_hook": "powersgd"}, "summed"),
+        ({"deterministic": True, "micro_batch_size": 8, "sync_batchnorm": True}, "statistics"),
+        ({"deterministic": True, "micro_batch_size": 8, "grad_accum_steps": 2}, "leave"),
+        ({"deterministic": True, "micro_batch_size": 7}, "not a whole number"),
+    ],
+)
+def test_settings_that_cannot_keep_the_promise_are_refused_in_one_line(overrides, fragment):
+    """Options that would make a deterministic run depend on the world size are refused."""
+    with pytest.raises(ConfigError, match=fragment):
+        TrainerConfig(global_batch_size=96, **overrides)
+
+
+def test_a_world_size_that_does_not_share_the_micro_batches_names_those_that_do():
+    """96 / 8 = 12 micro-batches: 5 ranks are refused, the error names 1, 2, 3, 4, 6, 12."""
+    cfg = TrainerConfig(global_batch_size=96, micro_batch_size=8, deterministic=True)
+    cfg.check_world_size(4)
+    with pytest.raises(ConfigError, match="world size that divides 12: 1, 2, 3, 4, 6, 12"):
+        cfg.check_world_size(5)
