@@ -108,6 +108,7 @@ def test_guide_spawn_example_returns_every_ranks_summary(tmp_path):
     assert summaries[0]["eval"]["eval_accuracy"] > 0.5
 
 
+@pytest.mark.slow
 def test_guide_language_model_learns_bytes(tmp_path):
     """The guide's lm.py trains its GPT on the json package's source and ends well below a
     uniform guess (8 bits per byte)."""

@@ -34,6 +34,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow
 def test_dry_run_at_world_size_2_trains_evaluates_samples_and_checkpoints(tmp_path):
     """ddptrain-run --nproc_per_node=2 recipes/gpt.py --dry-run: the data lines name the
     standard library folder, its file and byte counts and the held-out files; 5 steps, an
@@ -61,6 +62,7 @@ def test_dry_run_at_world_size_2_trains_evaluates_samples_and_checkpoints(tmp_pa
     assert (best["metric"], best["mode"], best["step"]) == ("eval_bpb", "min", 5)
 
 
+@pytest.mark.slow
 def test_a_data_folder_under_zero3_with_checkpointed_blocks(tmp_path):
     """--data FOLDER --files '*.txt' --zero-stage 3 --activation-checkpointing in one process:
     the text of the folder is read, split by file, trained and sampled from the gathered

@@ -9,7 +9,7 @@ block (the fully sharded wrapper gathers a unit's parameters in them) run once p
 the recomputation in backward reads the same parameters the forward did. Checkpointing is
 torch.utils.checkpoint's non-reentrant form: the forward's graph is recorded as usual (the DDP
 wrapper sees every parameter it reaches) and only the saved activations are dropped, so the
-gradients are the same bits as without it (tests/train/test_compute.py).
+gradients are the same bits as without it (tests/train/test_gpt_trainer.py).
 
 Under the DDP wrapper (zero_stage 0 and 1) compile=True compiles the whole module in place
 (`nn.Module.compile`: its state_dict keys stay the plain ones) and the wrapper around it stays

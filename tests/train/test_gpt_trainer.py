@@ -1,7 +1,7 @@
 """A GPT on the Trainer at world size 2: activation checkpointing gives the gradients of the
 plain backward (DDP wrapper with its Linear slots, ZeRO-3), clipping is bitwise alike at every
-ZeRO stage, warmup + cosine steers ZeRO-1, a crashed run resumes exactly, and compile=True
-trains like eager.
+ZeRO stage, warmup + cosine steers ZeRO-1, a crashed run resumes exactly, and (slow)
+compile=True trains like eager.
 
 One spawned world runs every case (worlds.run_cases), each in its own folder.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 import ddptrain
 from ddptrain.cpu.linear_slots import slot_params
 from ddptrain.models import GPT
+from ddptrain.train import gradients
 from ddptrain.train.compute import checkpoint_blocks
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.optimizers import warmup_cosine_factor
@@ -38,6 +40,8 @@ SLOT_WIDTH = 256
 # 2-core AMD EPYC: 5.5e-6; the weights move by ~2e-2 in these steps, so a missed gradient
 # or a skipped step is far outside.
 COMPILE_ATOL = 1e-3
+# Below the GPT's gradient norm at every one of the STEPS steps, so that every step clips.
+CLIP = 0.05
 
 
 def _config(root: str, name: str, **overrides) -> TrainerConfig:
@@ -125,20 +129,34 @@ def test_activation_checkpointing_trains_bitwise_like_without_under_ddp_and_zero
 
 def _case_clip(info, root: str) -> dict:
     out = {}
+    measure = gradients.grad_norm
     for stage in (0, 1, 2, 3):
-        cfg = _config(root, f"clip{stage}", zero_stage=stage, grad_clip_norm=0.05)
-        out[stage] = _fit(cfg)[1]
+        norms = []
+
+        def recording(model, max_norm, norms=norms):
+            norm = measure(model, max_norm)
+            norms.append(norm.clone())
+            return norm
+
+        cfg = _config(root, f"clip{stage}", zero_stage=stage, grad_clip_norm=CLIP)
+        with mock.patch.object(gradients, "grad_norm", recording):
+            out[stage] = (_fit(cfg)[1], torch.stack(norms))
     out["free"] = _fit(_config(root, "free"))[1]
     return out
 
 
-def test_clipping_a_gpt_is_bitwise_the_same_at_every_zero_stage(world):
-    """grad_clip_norm=0.05 on the GPT (a tied embedding in the root unit, blocks as units, two
-    AdamW groups): stages 0-3 end bitwise equal, and the clip was active."""
+def test_clipping_a_gpt_uses_the_same_global_norm_at_every_zero_stage(world):
+    """grad_clip_norm on the GPT (a tied embedding in the root unit, blocks as units, two
+    AdamW groups): the global gradient norm of every step has the same bits under the DDP
+    wrapper and ZeRO-1, -2, -3 (whose ranks hold shards), the norms exceed the clip, and the
+    runs end bitwise equal, apart from the unclipped one."""
     for r in worlds.outcome(world(WORLD_SIZE), "clip"):
+        params, norms = r[0]
+        assert norms.shape == (STEPS,) and bool((norms > CLIP).all())
         for stage in (1, 2, 3):
-            assert torch.equal(r[0], r[stage]), stage
-        assert not torch.equal(r[0], r["free"])
+            assert torch.equal(norms, r[stage][1]), stage
+            assert torch.equal(params, r[stage][0]), stage
+        assert not torch.equal(params, r["free"])
 
 
 class _LrTrainer(TinyGPTTrainer):
@@ -248,31 +266,20 @@ def _check_compiled(results: list[dict]) -> None:
             assert d["losses"][1] == pytest.approx(d["losses"][0], rel=1e-2)
 
 
-def _case_compile(info, root: str) -> dict:
-    return _compile_vs_eager(root, [(0, False)])
-
-
-def test_compile_trains_like_eager(world):
-    """compile=True under the DDP wrapper (the whole module compiled, the wrapper eager) moves
-    the weights as eager does, within rounding."""
-    _check_compiled(worlds.outcome(world(WORLD_SIZE), "compile"))
-
-
-def _compile_more(root: str) -> dict:
+def _compile_world(root: str) -> dict:
     torch.set_num_threads(1)
-    return worlds.run_cases(
-        {"more": lambda info: _compile_vs_eager(root, [(0, True), (3, False), (3, True)])},
-        ["more"],
-    )
+    variants = [(0, False), (0, True), (3, False), (3, True)]
+    cases = {"compile": lambda info: _compile_vs_eager(root, variants)}
+    return worlds.run_cases(cases, ["compile"])
 
 
 @pytest.mark.slow
-def test_compile_with_checkpointing_and_zero3_trains_like_eager(tmp_path):
-    """compile=True with checkpointed blocks (DDP wrapper), and under ZeRO-3 (each block's
-    forward compiled between the wrapper's gathers; with and without checkpointing) moves the
-    weights as eager does, within rounding."""
-    results = ddptrain.spawn(_compile_more, WORLD_SIZE, str(tmp_path), timeout_s=WORLD_TIMEOUT_S)
-    _check_compiled(worlds.outcome(results, "more"))
+def test_compile_trains_like_eager(tmp_path):
+    """compile=True under the DDP wrapper (the whole module compiled, the wrapper eager) and
+    under ZeRO-3 (each block's forward compiled between the wrapper's gathers), each with and
+    without checkpointed blocks, moves the weights as eager does, within rounding."""
+    results = ddptrain.spawn(_compile_world, WORLD_SIZE, str(tmp_path), timeout_s=WORLD_TIMEOUT_S)
+    _check_compiled(worlds.outcome(results, "compile"))
 
 
 CASES = {
@@ -281,7 +288,6 @@ CASES = {
     "clip": _case_clip,
     "schedule": _case_schedule,
     "resume": _case_resume,
-    "compile": _case_compile,
 }
 
 
