@@ -146,10 +146,8 @@ def _case_clip(info, root: str) -> dict:
 
 
 def test_clipping_a_gpt_uses_the_same_global_norm_at_every_zero_stage(world):
-    """grad_clip_norm on the GPT (a tied embedding in the root unit, blocks as units, two
-    AdamW groups): the global gradient norm of every step has the same bits under the DDP
-    wrapper and ZeRO-1, -2, -3 (whose ranks hold shards), the norms exceed the clip, and the
-    runs end bitwise equal, apart from the unclipped one."""
+    """Every step's global gradient norm has the same bits under DDP and ZeRO-1/2/3, exceeds
+    grad_clip_norm, and the clipped runs end bitwise equal (the unclipped one does not)."""
     for r in worlds.outcome(world(WORLD_SIZE), "clip"):
         params, norms = r[0]
         assert norms.shape == (STEPS,) and bool((norms > CLIP).all())
