@@ -204,6 +204,12 @@ CASES: dict[str, Case] = {
         f"{GAP}check the data path and any filtering in build_datasets()",
         make.empty_dataset,
     ),
+    "checkpointing-without-blocks": Case(
+        ValueError,
+        "activation_checkpointing acts on the model's blocks, and Sequential has none that "
+        f"Trainer.blocks() finds{GAP}override blocks(model) to return its repeated layers",
+        make.checkpointing_without_blocks,
+    ),
     "loss-not-scalar": Case(
         ValueError,
         f"training_step must return a scalar loss tensor, got (2,){GAP}reduce it with .mean()",

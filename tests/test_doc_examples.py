@@ -108,6 +108,17 @@ def test_guide_spawn_example_returns_every_ranks_summary(tmp_path):
     assert summaries[0]["eval"]["eval_accuracy"] > 0.5
 
 
+@pytest.mark.slow
+def test_guide_language_model_learns_bytes(tmp_path):
+    """The guide's lm.py trains its GPT on the json package's source and ends well below a
+    uniform guess (8 bits per byte)."""
+    (tmp_path / "lm.py").write_text(python_block("docs/guide.md", "class LMTrainer(Trainer)"))
+    out = _run([sys.executable, "lm.py"], tmp_path).stdout
+    found = re.findall(r"^validation: ([\d.]+) bits per byte$", out, flags=re.MULTILINE)
+    assert len(found) == 1, out
+    assert float(found[0]) < 5.0, out
+
+
 def test_guide_loads_a_recipe_checkpoint_without_ddptrain(tmp_path):
     """The guide's snippet loads a recipe checkpoint into a plain LeNet built as it says."""
     raw = tmp_path / "data" / "MNIST" / "raw"

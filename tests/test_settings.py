@@ -23,8 +23,9 @@ GUIDE = ROOT / "docs" / "guide.md"
 TABLE = re.compile(r"<!-- settings-table: (\w+) -->\n(.*?)\n<!-- end settings-table -->", re.S)
 
 
-def _recipe():
-    spec = importlib.util.spec_from_file_location("settings_mnist", ROOT / "recipes" / "mnist.py")
+def _recipe(name: str = "mnist"):
+    path = ROOT / "recipes" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"settings_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -34,12 +35,14 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
     return {s for a in parser._actions for s in a.option_strings if s.startswith("--")}
 
 
-def test_every_config_field_is_a_recipe_flag_and_every_flag_a_field():
-    """The MNIST recipe's flags are exactly the TrainerConfig and MNISTSettings fields, each as
-    --field-name (and --no-field-name for a switch), plus --help."""
-    recipe = _recipe()
+@pytest.mark.parametrize(("name", "own"), [("mnist", "MNISTSettings"), ("gpt", "GPTSettings")])
+def test_every_config_field_is_a_recipe_flag_and_every_flag_a_field(name, own):
+    """Each recipe's flags are exactly the TrainerConfig fields and its own settings' (the
+    MNIST recipe's MNISTSettings, the GPT recipe's GPTSettings), each as --field-name (and
+    --no-field-name for a switch), plus --help."""
+    recipe = _recipe(name)
     expected = {"--help"}
-    for cls in (TrainerConfig, recipe.MNISTSettings):
+    for cls in (TrainerConfig, getattr(recipe, own)):
         switches = {f.name for f in dataclasses.fields(cls) if type(f.default) is bool}
         switches |= {"progress_bar", "channels_last"}  # switches whose default is None: auto
         for f in dataclasses.fields(cls):
@@ -137,9 +140,9 @@ def test_check_fields_refuses_wrong_types_choices_and_bounds(values, error):
 def test_guide_tables_are_made_from_the_settings():
     """docs/guide.md's settings tables equal what the code's fields make (regenerate with
     ddptrain.flags.settings_table)."""
-    classes = {"TrainerConfig": (TrainerConfig, False), "MNISTSettings": (None, True)}
     tables = dict(TABLE.findall(GUIDE.read_text()))
-    assert set(tables) == set(classes)
-    recipe = _recipe()
+    assert set(tables) == {"TrainerConfig", "MNISTSettings", "GPTSettings"}
     assert tables["TrainerConfig"] == flags.settings_table(TrainerConfig)
-    assert tables["MNISTSettings"] == flags.settings_table(recipe.MNISTSettings, as_flags=True)
+    mnist, gpt = _recipe("mnist").MNISTSettings, _recipe("gpt").GPTSettings
+    assert tables["MNISTSettings"] == flags.settings_table(mnist, as_flags=True)
+    assert tables["GPTSettings"] == flags.settings_table(gpt, as_flags=True)

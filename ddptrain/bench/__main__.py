@@ -1,10 +1,11 @@
-"""`python -m ddptrain.bench [--recipe | --memory | --capped | --deterministic | --two-hosts] ...`:
-step times, the whole run, memory, training under a memory cap, what the deterministic mode
-costs, or step times across two hosts made in this machine."""
+"""`python -m ddptrain.bench [MODE] ...`, MODE one of --recipe, --gpt, --memory, --capped,
+--deterministic, --two-hosts (none: step times): the whole run, a GPT against the plain loop,
+memory, training under a memory cap, what the deterministic mode costs, or step times across two
+hosts made in this machine."""
 
 import sys
 
-from ddptrain.bench import capped, deterministic, hosts, memory, recipe, steps
+from ddptrain.bench import capped, deterministic, gpt, hosts, memory, recipe, steps
 from ddptrain.netns import HostsUnavailable
 
 argv = sys.argv[1:]
@@ -15,6 +16,8 @@ if "--two-hosts" in argv:
         sys.exit(f"error: {e}")
 elif "--recipe" in argv:
     recipe.main(argv)
+elif "--gpt" in argv:
+    gpt.main(argv)
 elif "--memory" in argv:
     memory.main(argv)
 elif "--capped" in argv:

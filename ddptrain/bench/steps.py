@@ -274,10 +274,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m ddptrain.bench",
         description=__doc__.split("\n")[0],
-        epilog="Other modes, each with its own --help: --recipe (the whole run against the "
-        "standard stack and the no-communication floor), --memory (peak RSS per rank), --capped "
-        "(training under a per-rank memory cap), --deterministic (what the same bits at any "
-        "world size cost), --two-hosts (step times across two network namespaces; root).",
+        epilog="Other modes, each with its own --help: --recipe (the whole recipe run against "
+        "the standard stack and the no-communication floor), --gpt (a GPT on the Trainer "
+        "against nanoGPT's plain DDP loop), --memory (peak RSS per rank), --capped (training "
+        "under a per-rank memory cap), --deterministic (what the same bits at any world size "
+        "cost), --two-hosts (step times across two network namespaces; root).",
     )
     p.add_argument(
         "--world-size", type=int, default=None, help="ranks to spawn (default 2; a launcher's own)"

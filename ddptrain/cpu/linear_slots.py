@@ -88,6 +88,10 @@ class LinearSlots(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # A compiled module inside the synchronized forward: its graph computes the
+            # gradients (_Linear's slots would be traced into it, guarded on every weight).
+            return func(*args, **kwargs)
         for a in (*args, *kwargs.values()):
             if id(a) in self._ids:
                 self._uses[id(a)] = self._uses.get(id(a), 0) + 1

@@ -13,6 +13,7 @@ import contextlib
 import math
 import multiprocessing as mp
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -59,15 +60,20 @@ def check_datasets(
 
 
 def wrap_model(
-    cfg: TrainerConfig, module: nn.Module
+    cfg: TrainerConfig, module: nn.Module, blocks: Sequence[nn.Module] | None = None
 ) -> DistributedDataParallel | FullyShardedDataParallel:
     """The wrapper the config asks for (SyncBatchNorm converted first): DDP for zero_stage 0
-    and 1, the fully sharded wrapper for 2 (parameters gathered once a step) and 3."""
+    and 1, the fully sharded wrapper for 2 (parameters gathered once a step) and 3, whose
+    units are the model's `blocks` when it has them, else chosen by size."""
     if cfg.sync_batchnorm:
         module = convert_sync_batchnorm(module)
     if cfg.zero_stage >= 2:
+        units = list(blocks) if blocks else None
         return FullyShardedDataParallel(
-            module, reshard_after_forward=cfg.zero_stage == 3, deterministic=cfg.deterministic
+            module,
+            units=units,
+            reshard_after_forward=cfg.zero_stage == 3,
+            deterministic=cfg.deterministic,
         )
     return DistributedDataParallel(
         module,

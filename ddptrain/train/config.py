@@ -106,6 +106,19 @@ class TrainerConfig:
         "the step",
         group="training",
     )
+    # ----------------------------------------------------------------- compute
+    activation_checkpointing: bool = setting(
+        False,
+        "recompute each block's activations in backward instead of keeping them (the blocks "
+        "Trainer.blocks() names): less memory for about one more forward of compute",
+        group="compute",
+    )
+    compile: bool = setting(
+        False,
+        "torch.compile the model: the whole module under zero_stage 0 and 1, each block under "
+        "2 and 3; the first step waits for the compiler",
+        group="compute",
+    )
     # ----------------------------------------------------------------- evaluation
     eval_batch_size: int = setting(
         1000, "evaluation batch size per rank", group="evaluation", check=POSITIVE

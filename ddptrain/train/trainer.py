@@ -37,7 +37,7 @@ from torch.utils.data import Dataset
 
 from ddptrain import profiling
 from ddptrain.dist import DistInfo, init_distributed, print0, shutdown
-from ddptrain.train import build, gradients, health, preempt
+from ddptrain.train import build, compute, gradients, health, preempt
 from ddptrain.train.checkpoint import resume
 from ddptrain.train.config import TrainerConfig
 from ddptrain.train.epochs import make_epochs
@@ -52,7 +52,7 @@ Preempted = preempt.Preempted
 
 class Trainer:
     """Subclass and override build_model, build_datasets, configure_optimizers, training_step,
-    and (optionally) validation_step; then call fit()."""
+    and (optionally) validation_step and blocks; then call fit()."""
 
     def __init__(self, config: TrainerConfig) -> None:
         self.config = config
@@ -79,6 +79,12 @@ class Trainer:
         `self.total_steps` (optimizer steps of the whole run) is set by then, for schedules.
         """
         raise NotImplementedError("override configure_optimizers(model) to return an optimizer")
+
+    def blocks(self, model: nn.Module) -> list[nn.Module] | None:
+        """Return the model's repeated blocks (a transformer's layers), or None: what
+        activation_checkpointing recomputes, and the units of zero_stage 2 and 3 (and what
+        compile compiles there). Default: `model.blocks` if it is an nn.ModuleList."""
+        return compute.default_blocks(model)
 
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """Return the scalar mean loss of this rank's batch (model is the wrapped model)."""
@@ -128,11 +134,14 @@ class Trainer:
         self.epochs = make_epochs(cfg, info, train_set)
         self.sampler = self.epochs.sampler
         self.total_steps = self.epochs.total_steps
-        # 3. Model; on resume rank 0 loads the checkpoint's weights into it here.
+        # 3. Model; on resume rank 0 loads the checkpoint's weights into it here. Then its
+        # blocks checkpointed and compiled as the config asks.
         module = self.build_model().to(info.device)
         resume_state = self._read_checkpoint(module)
+        blocks = self.blocks(module)
+        compute.prepare_model(cfg, module, blocks)
         # 4. Wrap: rank 0's weights reach every rank.
-        self.model = build.wrap_model(cfg, module)
+        self.model = build.wrap_model(cfg, module, blocks)
         # 5. Optimizer (after total_steps, which schedules read).
         self.optimizer, self.scheduler = build.optimizer(cfg, self.configure_optimizers(module))
         build.check_plateau(self.scheduler, eval_set)

@@ -187,6 +187,10 @@ def loss_not_scalar(case_dir: Path) -> None:
     fit({"scalar": False})
 
 
+def checkpointing_without_blocks(case_dir: Path) -> None:
+    fit(activation_checkpointing=True)
+
+
 def best_metric_without_checkpoint_dir(case_dir: Path) -> None:
     config(best_metric="eval_accuracy")
 

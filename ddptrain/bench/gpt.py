@@ -1,0 +1,406 @@
+"""A GPT trained by ddptrain's Trainer against the loop its users would otherwise write.
+
+    python -m ddptrain.bench --gpt                  # world size 2: eager, compiled, ZeRO-3
+    python -m ddptrain.bench --gpt --quick          # smoke run (a minute)
+    python -m ddptrain.bench --gpt --steps 600 --repeats 2 --variants ddptrain,plain
+    python -m ddptrain.bench --gpt --recipe-args "--n-embd 192 --n-layer 6"
+
+Every variant trains recipes/gpt.py's model (its flags, defaults unless --recipe-args) on its
+data (the standard library's windows; validation on its held-out windows), with its optimizer
+(AdamW with adamw_groups, warmup_cosine), clipping at its --grad-clip-norm, from its seed:
+- ddptrain: the recipe's GPTTrainer; _compiled with compile=True, _zero3 with zero_stage=3;
+- plain: the loop of nanoGPT's train.py around torch's DistributedDataParallel (torch.compile
+  before wrapping for plain_compiled), a DistributedSampler and DataLoader over the same
+  windows, the lr set by hand each step; plain_seed2 is the same loop from the next seed (other
+  initial weights and order): how far two runs of one program land apart;
+- fully_shard: that loop with torch's fully_shard (FSDP2) on each block, then the root.
+tokens/s is steady-state training: tokens a step over the median interval between optimizer
+steps, leaving out the first --skip-steps (compilation, warm-up) and those holding an
+evaluation; cpu ms/step is the median CPU time of such a step on a rank (every thread's),
+which other jobs on a shared machine inflate far less than the wall time. Every --eval-every
+steps each variant scores the same validation windows (bits per byte).
+Variants run in separate worlds one after another (the order rotates every repeat); ratios
+are of the medians, and "paired" is the median of each repeat's own ratio.
+Writes <out>/gpt.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+import ddptrain
+from ddptrain.bench.report import machine
+from ddptrain.train.optimizers import adamw_groups, warmup_cosine_factor
+
+RECIPE_PATH = Path(__file__).resolve().parents[2] / "recipes" / "gpt.py"
+VARIANTS = (
+    "ddptrain",
+    "plain",
+    "ddptrain_compiled",
+    "plain_compiled",
+    "ddptrain_zero3",
+    "fully_shard",
+    "plain_seed2",
+)
+# (ddptrain's variant, the plain loop's): the rows of the table.
+PAIRS = (
+    ("ddptrain", "plain"),
+    ("ddptrain_compiled", "plain_compiled"),
+    ("ddptrain_zero3", "fully_shard"),
+)
+
+
+@functools.cache
+def _load_recipe() -> Any:
+    """recipes/gpt.py as a module, once per process: the bench follows its model, data, flags."""
+    if not RECIPE_PATH.is_file():
+        raise FileNotFoundError(f"{RECIPE_PATH} not found: run the GPT bench from a checkout")
+    spec = importlib.util.spec_from_file_location("ddptrain_recipe_gpt", RECIPE_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_ddptrain(args: argparse.Namespace, flags: argparse.Namespace, variant: str) -> dict:
+    """The recipe's Trainer for args.steps steps, evaluating every args.eval_every."""
+    recipe = _load_recipe()
+    ends: list[tuple[float, float]] = []
+    log_dir = args.out / "logs" / variant
+
+    class BenchTrainer(recipe.GPTTrainer):
+        def configure_optimizers(self, model):
+            made = super().configure_optimizers(model)
+            made[0].register_step_post_hook(lambda *_: ends.append(_now()))
+            return made
+
+    config = dataclasses.replace(
+        recipe.build_config(flags),
+        max_steps=args.steps,
+        eval_every_steps=args.eval_every,
+        compile=variant == "ddptrain_compiled",
+        zero_stage=3 if variant == "ddptrain_zero3" else flags.zero_stage,
+        checkpoint_dir=None,
+        resume=None,
+        log_dir=str(log_dir),
+        log_every_steps=args.eval_every,
+        progress_bar=False,
+        profile_steps=None,
+        loggers=("jsonl",),
+    )
+    if dist.get_rank() == 0 and (log_dir / "metrics.jsonl").exists():
+        (log_dir / "metrics.jsonl").unlink()
+    dist.barrier()
+    summary = BenchTrainer(config, flags).fit()
+    curve = []
+    if dist.get_rank() == 0:
+        for line in (log_dir / "metrics.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            if "eval_bpb" in record:
+                curve.append((record["step"], record["eval_bpb"]))
+    return {"ends": ends, "curve": curve, "wall_s": summary["wall_s"]}
+
+
+def _now() -> tuple[float, float]:
+    """(wall clock, this process's CPU seconds, every thread's)."""
+    return time.perf_counter(), time.process_time()
+
+
+def _run_plain(args: argparse.Namespace, flags: argparse.Namespace, variant: str) -> dict:
+    """nanoGPT's loop: torch's DDP (or fully_shard), AdamW, lr by hand, clipping, evaluation."""
+    recipe = _load_recipe()
+    seed = flags.seed + (1 if variant == "plain_seed2" else 0)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    train, val, _ = recipe.load_text(flags, flags.seed)
+    torch.manual_seed(seed)
+    model = recipe.GPTTrainer(recipe.build_config(flags), flags).build_model()
+    if variant == "fully_shard":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        ddp_model = fully_shard(model)
+    else:
+        if variant == "plain_compiled":
+            model = torch.compile(model)
+        ddp_model = TorchDDP(model)
+    optimizer = torch.optim.AdamW(
+        adamw_groups(model, flags.weight_decay), lr=flags.lr, betas=(flags.beta1, flags.beta2)
+    )
+    warmup = min(flags.warmup_steps, args.steps // 2)
+    sampler = DistributedSampler(train, shuffle=True, seed=seed)
+    per_rank = flags.global_batch_size // world_size
+    loader = DataLoader(train, batch_size=per_rank, sampler=sampler, drop_last=True)
+    ends: list[tuple[float, float]] = []
+    curve = []
+    start = time.perf_counter()
+    step, epoch = 0, 0
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            lr = flags.lr * warmup_cosine_factor(
+                step, warmup_steps=warmup, total_steps=args.steps, min_lr_ratio=flags.min_lr_ratio
+            )
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            logits = ddp_model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), flags.grad_clip_norm)
+            optimizer.step()
+            ends.append(_now())
+            step += 1
+            if step % args.eval_every == 0 or step == args.steps:
+                curve.append((step, _evaluate(model, val, flags.eval_batch_size)))
+            if step == args.steps:
+                break
+        epoch += 1
+    wall_s = time.perf_counter() - start
+    return {"ends": ends, "curve": curve if rank == 0 else [], "wall_s": wall_s}
+
+
+@torch.no_grad()
+def _evaluate(model: torch.nn.Module, val: Any, batch_size: int) -> float:
+    """Bits per byte over every validation window (every rank all of them, as nanoGPT's
+    estimate_loss does; a fully sharded model needs every rank in every forward)."""
+    model.eval()
+    nats, count = 0.0, 0
+    for i in range(0, len(val), batch_size):
+        x, y = val.get_batch(range(i, min(i + batch_size, len(val))))
+        logits = model(x)
+        nats += F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1).sum().item()
+        count += len(x)
+    model.train()
+    return nats / count / math.log(2)
+
+
+def _worker(variant: str, args: argparse.Namespace) -> dict:
+    flags = _load_recipe().parse_args(args.recipe_args)
+    ddptrain.init_distributed()
+    try:
+        if variant.startswith("ddptrain"):
+            run = _run_ddptrain(args, flags, variant)
+        else:
+            run = _run_plain(args, flags, variant)
+    finally:
+        ddptrain.shutdown()
+    run["tokens_per_step"] = flags.global_batch_size * flags.block_size
+    return run
+
+
+def steady_intervals(
+    ends: list[tuple[float, float]], skip: int, eval_every: int
+) -> tuple[list[float], list[float]]:
+    """(wall, CPU) seconds between consecutive optimizer steps, after the first `skip` and
+    leaving out each interval that holds an evaluation (pure)."""
+    pairs = [
+        (b[0] - a[0], b[1] - a[1])
+        for step, (a, b) in enumerate(zip(ends, ends[1:], strict=False), start=1)
+        if step > skip and step % eval_every != 0
+    ]
+    if not pairs:
+        raise ValueError(f"no step interval left after --skip-steps {skip}; raise --steps")
+    return [w for w, _ in pairs], [c for _, c in pairs]
+
+
+def steady_tokens_per_s(
+    ends: list[tuple[float, float]], tokens_per_step: int, skip: int, eval_every: int
+) -> float:
+    """Tokens a step over the median wall-clock interval of steady_intervals (pure). The
+    median, not the mean: on a machine shared with other jobs, their bursts land on a few
+    steps of one run."""
+    wall, _ = steady_intervals(ends, skip, eval_every)
+    return tokens_per_step / statistics.median(wall)
+
+
+def cpu_ms_per_step(ends: list[tuple[float, float]], skip: int, eval_every: int) -> float:
+    """The median CPU milliseconds of a step on one rank, every thread's (pure): the work a
+    loop costs, which other jobs on the machine inflate far less than its wall time."""
+    return 1e3 * statistics.median(steady_intervals(ends, skip, eval_every)[1])
+
+
+def summarize(runs: list[dict[str, dict]], settings: dict[str, Any]) -> dict[str, Any]:
+    """Per-repeat raw runs in, tokens/s, ratios and validation curves out (pure)."""
+    skip, every = settings["skip_steps"], settings["eval_every"]
+    rates: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    for run in runs:
+        for v, per_rank in run.items():
+            # A step is as slow as the slowest rank: each rank's rate, the lowest one.
+            rate = min(
+                steady_tokens_per_s(r["ends"], r["tokens_per_step"], skip, every) for r in per_rank
+            )
+            rates.setdefault(v, []).append(rate)
+            ms = statistics.fmean(cpu_ms_per_step(r["ends"], skip, every) for r in per_rank)
+            cpu.setdefault(v, []).append(ms)
+    variants = {}
+    for v, rs in rates.items():
+        last = runs[-1][v][0]
+        variants[v] = {
+            "tokens_per_s": statistics.median(rs),
+            "tokens_per_s_runs": rs,
+            "cpu_ms_per_step": statistics.median(cpu[v]),
+            "cpu_ms_per_step_runs": cpu[v],
+            "wall_s": last["wall_s"],
+            "curve": last["curve"],
+            "final_bpb": last["curve"][-1][1] if last["curve"] else None,
+        }
+    pairs = []
+    for ours, theirs in PAIRS:
+        if ours in variants and theirs in variants:
+            a, b = variants[ours], variants[theirs]
+            paired = statistics.median(
+                x / y for x, y in zip(rates[ours], rates[theirs], strict=True)
+            )
+            gap = (
+                max(abs(p[1] - q[1]) for p, q in zip(a["curve"], b["curve"], strict=False))
+                if a["curve"] and b["curve"]
+                else None
+            )
+            pairs.append(
+                {
+                    "ddptrain": ours,
+                    "plain": theirs,
+                    "ratio": a["tokens_per_s"] / b["tokens_per_s"],
+                    "paired": paired,
+                    "cpu_ratio": a["cpu_ms_per_step"] / b["cpu_ms_per_step"],
+                    "max_curve_gap_bpb": gap,
+                }
+            )
+    noise = None
+    if "plain" in variants and "plain_seed2" in variants:
+        a, b = variants["plain"]["curve"], variants["plain_seed2"]["curve"]
+        noise = max(abs(p[1] - q[1]) for p, q in zip(a, b, strict=False)) if a and b else None
+    return {"settings": settings, "variants": variants, "pairs": pairs, "seed_gap_bpb": noise}
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The tables printed at the end of a run."""
+    v = result["variants"]
+    lines = [
+        f"{'ddptrain':>18} {'tokens/s':>9} {'plain loop':>14} {'tokens/s':>9} {'ratio':>6} "
+        f"{'paired':>6} {'cpu ms/step':>12} {'cpu':>6} {'bpb':>6} {'bpb':>6} {'max gap':>7}"
+    ]
+    for p in result["pairs"]:
+        a, b = v[p["ddptrain"]], v[p["plain"]]
+        gap = "-" if p["max_curve_gap_bpb"] is None else f"{p['max_curve_gap_bpb']:.3f}"
+        cpu_ms = f"{a['cpu_ms_per_step']:.0f}/{b['cpu_ms_per_step']:.0f}"
+        lines.append(
+            f"{p['ddptrain']:>18} {a['tokens_per_s']:>9.0f} {p['plain']:>14} "
+            f"{b['tokens_per_s']:>9.0f} {p['ratio']:>6.3f} {p['paired']:>6.3f} {cpu_ms:>12} "
+            f"{p['cpu_ratio']:>6.3f} {_bpb(a):>6} {_bpb(b):>6} {gap:>7}"
+        )
+    if result["seed_gap_bpb"] is not None:
+        lines.append(
+            f"run-to-run: plain vs plain_seed2 (next seed) curves differ by up to "
+            f"{result['seed_gap_bpb']:.3f} bits per byte"
+        )
+    steps = sorted({s for x in v.values() for s, _ in x["curve"]})
+    lines += ["", "validation bits per byte at step " + " ".join(f"{s:>6}" for s in steps)]
+    for name, x in v.items():
+        at = dict(x["curve"])
+        cells = " ".join(f"{at[s]:>6.3f}" if s in at else f"{'-':>6}" for s in steps)
+        lines.append(f"{name:<33} {cells}")
+    s = result["settings"]
+    load = ", ".join(f"{x:.2f}" for x in s["load_avg_1m_before_after"])
+    lines.append(
+        f"world size {s['world_size']}, {s['steps']} steps, {s['repeats']} repeat(s), "
+        f"load average (1 min) before/after: {load}"
+    )
+    return "\n".join(lines)
+
+
+def _bpb(variant: dict) -> str:
+    return "-" if variant["final_bpb"] is None else f"{variant['final_bpb']:.3f}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; --quick shrinks the run to a smoke test."""
+    p = argparse.ArgumentParser(
+        prog="python -m ddptrain.bench --gpt", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--gpt", action="store_true", help="this benchmark (python -m ddptrain.bench)")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps per variant")
+    p.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    p.add_argument(
+        "--skip-steps", type=int, default=10, help="first steps left out of tokens/s (compiling)"
+    )
+    p.add_argument("--repeats", type=int, default=1, help="runs of every variant, order rotated")
+    p.add_argument("--recipe-args", default="", help="flags for recipes/gpt.py's parser")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--quick", action="store_true", help="a tiny model, 24 steps: a minute")
+    p.add_argument("--timeout-s", type=float, default=3600.0)
+    args = p.parse_args(_glue(sys.argv[1:] if argv is None else argv))
+    if args.quick:
+        args.steps, args.eval_every, args.skip_steps = 24, 12, 4
+        args.recipe_args += " --n-layer 1 --n-embd 32 --n-head 2 --eval-windows 16"
+    args.recipe_args = shlex.split(args.recipe_args)
+    args.variants = [v for v in args.variants.split(",") if v]
+    if unknown := [v for v in args.variants if v not in VARIANTS]:
+        p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    _load_recipe().parse_args(args.recipe_args)  # a bad flag: one error here, not per rank
+    return args
+
+
+def _glue(argv: list[str]) -> list[str]:
+    """`--recipe-args --n-embd 192` as `--recipe-args=--n-embd 192` (argparse would read the
+    value as a flag)."""
+    glued = list(argv)
+    for i, arg in enumerate(glued[:-1]):
+        if arg == "--recipe-args":
+            glued[i : i + 2] = [f"--recipe-args={glued[i + 1]}"]
+            break
+    return glued
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the comparison, print the tables, write gpt.json; return the result."""
+    args = parse_args(argv)
+    load_before = os.getloadavg()
+    runs = []
+    for r in range(args.repeats):
+        k = r % len(args.variants)
+        order = args.variants[k:] + args.variants[:k]
+        run = {}
+        for v in order:
+            run[v] = ddptrain.spawn(_worker, args.world_size, v, args, timeout_s=args.timeout_s)
+            print(f"repeat {r + 1}/{args.repeats}: {v} done", flush=True)
+        runs.append({v: run[v] for v in args.variants})
+    settings = {
+        "world_size": args.world_size,
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "skip_steps": args.skip_steps,
+        "repeats": args.repeats,
+        "recipe_args": args.recipe_args,
+        "threads_per_rank": 1,
+        "machine": machine(),
+        "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    result = summarize(runs, settings)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpt.json").write_text(json.dumps(result, indent=1))
+    print(format_table(result))
+    print(f"wrote {args.out / 'gpt.json'}")
+    return result

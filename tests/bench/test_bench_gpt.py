@@ -1,0 +1,63 @@
+"""The GPT bench (`python -m ddptrain.bench --gpt`): its pure tokens/s and summary, and a smoke
+run of the Trainer against the plain loop (speed is judged by the benchmark itself)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddptrain.bench import gpt
+
+
+def test_steady_rates_leave_out_warm_up_and_evaluations():
+    """The first `skip` steps and the intervals holding an evaluation (after every 3rd step)
+    are left out: only the 0.5 s intervals (0.25 s of CPU) count, by their median."""
+    # Step k ends at ends[k - 1]; step 1 compiles (10 s), step 3's interval to 4 evaluates.
+    wall = [10.0, 10.5, 11.0, 14.0, 14.5, 15.0, 18.0, 18.5, 18.9]
+    ends = [(w, w / 2) for w in wall]
+    assert gpt.steady_tokens_per_s(ends, 100, skip=1, eval_every=3) == pytest.approx(200.0)
+    assert gpt.cpu_ms_per_step(ends, skip=1, eval_every=3) == pytest.approx(250.0)
+    with pytest.raises(ValueError, match="raise --steps"):
+        gpt.steady_tokens_per_s(ends[:2], 100, skip=1, eval_every=3)
+
+
+def _run(seconds_per_step: float, curve: list) -> list[dict]:
+    ends = [(i * seconds_per_step, i * seconds_per_step) for i in range(1, 9)]
+    return [{"ends": ends, "tokens_per_step": 64, "curve": curve, "wall_s": 9.0}] * 2
+
+
+def test_summary_pairs_the_loops_and_measures_the_curves_apart():
+    """Ratios of median tokens/s for each pair present; the largest gap between the paired
+    curves, and between the two seeds of the plain loop."""
+    curve_a, curve_b = [(4, 3.0), (8, 2.5)], [(4, 3.1), (8, 2.45)]
+    runs = [
+        {
+            "ddptrain": _run(0.5, curve_a),
+            "plain": _run(1.0, curve_b),
+            "plain_seed2": _run(1.0, [(4, 3.3), (8, 2.5)]),
+        }
+    ]
+    settings = {"skip_steps": 1, "eval_every": 100}
+    result = gpt.summarize(runs, settings)
+    [pair] = result["pairs"]
+    assert (pair["ddptrain"], pair["plain"]) == ("ddptrain", "plain")
+    assert pair["ratio"] == pytest.approx(2.0) and pair["paired"] == pytest.approx(2.0)
+    assert pair["cpu_ratio"] == pytest.approx(0.5)
+    assert pair["max_curve_gap_bpb"] == pytest.approx(0.1)
+    assert result["seed_gap_bpb"] == pytest.approx(0.2)
+    assert result["variants"]["plain"]["final_bpb"] == 2.45
+
+
+@pytest.mark.slow
+def test_quick_run_writes_the_comparison(tmp_path):
+    """--quick trains the tiny GPT with the Trainer and the plain loop at world size 2: both
+    report tokens/s and the same validation steps, and gpt.json holds the table's numbers."""
+    result = gpt.main(["--gpt", "--quick", "--variants", "ddptrain,plain", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "gpt.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    v = saved["variants"]
+    for name in ("ddptrain", "plain"):
+        assert v[name]["tokens_per_s"] > 0 and v[name]["cpu_ms_per_step"] > 0, name
+    assert [s for s, _ in v["ddptrain"]["curve"]] == [s for s, _ in v["plain"]["curve"]] == [12, 24]
+    assert saved["pairs"][0]["max_curve_gap_bpb"] < 0.05

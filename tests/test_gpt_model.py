@@ -1,0 +1,84 @@
+"""ddptrain.models.GPT: shapes, a causal mask, tied embeddings, GPT-2's initialisation, and
+sampling that extends the prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ddptrain.models import GPT
+
+
+def _model(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(n_layer=2, n_head=2, n_embd=32, block_size=16, **kw).eval()
+
+
+def test_logits_have_one_row_per_position_and_byte():
+    """(batch, time) bytes in, (batch, time, 256) logits out, for any time up to block_size."""
+    model = _model()
+    for t in (1, 7, 16):
+        assert model(torch.randint(0, 256, (3, t))).shape == (3, t, 256)
+    with pytest.raises(ValueError, match="longer than block_size 16"):
+        model(torch.randint(0, 256, (1, 17)))
+
+
+def test_a_later_byte_does_not_change_earlier_logits():
+    """Changing the byte at position 9 leaves the logits of positions 0-8 bitwise the same
+    and changes those from 9 on: attention is causal."""
+    model = _model()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    y = x.clone()
+    y[:, 9] = (y[:, 9] + 1) % 256
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    assert torch.equal(a[:, :9], b[:, :9])
+    assert not torch.allclose(a[:, 9:], b[:, 9:])
+
+
+def test_the_output_projection_is_the_token_embedding():
+    """One tensor serves both (counted once among the parameters), and a gradient through
+    the logits alone reaches it."""
+    model = _model()
+    assert model.lm_head.weight is model.wte.weight
+    names = [n for n, _ in model.named_parameters()]
+    assert "wte.weight" in names and "lm_head.weight" not in names
+    model.train()
+    h = torch.randn(2, 4, 32)
+    F.cross_entropy(model.lm_head(h).reshape(-1, 256), torch.zeros(8, dtype=torch.long)).backward()
+    assert model.wte.weight.grad is not None and model.wte.weight.grad.abs().sum() > 0
+
+
+def test_initialisation_is_gpt2s():
+    """Weights N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 n_layer)), biases zero,
+    LayerNorms the identity."""
+    torch.manual_seed(0)
+    model = GPT(n_layer=8, n_head=4, n_embd=256, block_size=64)
+    proj = model.blocks[0].mlp.proj.weight
+    fc = model.blocks[0].mlp.fc.weight
+    assert fc.std().item() == pytest.approx(0.02, rel=0.02)
+    assert proj.std().item() == pytest.approx(0.02 / 4, rel=0.02)
+    assert model.blocks[0].attn.proj.weight.std().item() == pytest.approx(0.005, rel=0.05)
+    assert model.blocks[0].attn.qkv.bias.abs().sum() == 0
+    assert torch.equal(model.ln_f.weight, torch.ones(256))
+
+
+def test_generate_extends_the_prompt_reproducibly_past_the_context():
+    """generate() keeps the prompt, adds the asked number of bytes (more than block_size: it
+    slides the context), and the same generator seed gives the same bytes."""
+    model = _model()
+    prompt = torch.tensor([list(b"def ")])
+    runs = [
+        model.generate(prompt, 20, top_k=5, generator=torch.Generator().manual_seed(3))
+        for _ in range(2)
+    ]
+    assert runs[0].shape == (1, 24)
+    assert torch.equal(runs[0][:, :4], prompt)
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_width_must_split_into_heads():
+    """n_embd not divisible by n_head is refused, naming both."""
+    with pytest.raises(ValueError, match="n_embd 30 is not divisible by n_head 4"):
+        GPT(n_embd=30, n_head=4)
