@@ -242,6 +242,7 @@ def test_preemption_flags_reach_the_config():
     )
 
 
+@pytest.mark.slow
 def test_resume_auto_at_world_size_2_sets_a_truncated_checkpoint_aside(tmp_path, data_dir):
     """Checkpoints every 2 steps; the newest cut short; --resume auto at world size 2 says once
     which file and why, moves it intact into invalid/, resumes from step 2 and saves on."""

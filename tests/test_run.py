@@ -241,6 +241,7 @@ sys.exit(run_main(main))
 """
 
 
+@pytest.mark.slow
 def test_a_restart_shows_the_failed_rounds_line_then_the_restart(tmp_path):
     """--max-restarts=1: rank 1's error of the first round is printed when the workers restart,
     with the restart counted; the second round succeeds and the job exits 0."""
@@ -262,6 +263,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_sigterm_to_workers_that_report_nothing_exits_128_plus_it(tmp_path):
     """SIGTERM to ddptrain-run: torchrun forwards it; workers that are not ddptrain's report
     nothing, so the job ends with one line and 143, where plain torchrun shows a traceback of

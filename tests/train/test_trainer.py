@@ -92,6 +92,7 @@ Path({tmp!r}, "steps-" + os.environ["RANK"]).write_text(json.dumps(steps))
 """
 
 
+@pytest.mark.slow
 def test_fit_again_under_torchrun_uses_fresh_store_keys(tmp_path):
     """Under torchrun (env://, the agent's store outlives each group) three fit() calls in the
     same ranks all train instead of hanging on the first group's keys."""
