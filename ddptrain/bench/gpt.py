@@ -47,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 import ddptrain
+from ddptrain.bench.recipe import glue_recipe_args, rotated_repeats
 from ddptrain.bench.report import machine
 from ddptrain.train.optimizers import adamw_groups, warmup_cosine_factor
 
@@ -350,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--quick", action="store_true", help="a tiny model, 24 steps: a minute")
     p.add_argument("--timeout-s", type=float, default=3600.0)
-    args = p.parse_args(_glue(sys.argv[1:] if argv is None else argv))
+    args = p.parse_args(glue_recipe_args(sys.argv[1:] if argv is None else argv))
     if args.quick:
         args.steps, args.eval_every, args.skip_steps = 24, 12, 4
         args.recipe_args += " --n-layer 1 --n-embd 32 --n-head 2 --eval-windows 16"
@@ -362,30 +363,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _glue(argv: list[str]) -> list[str]:
-    """`--recipe-args --n-embd 192` as `--recipe-args=--n-embd 192` (argparse would read the
-    value as a flag)."""
-    glued = list(argv)
-    for i, arg in enumerate(glued[:-1]):
-        if arg == "--recipe-args":
-            glued[i : i + 2] = [f"--recipe-args={glued[i + 1]}"]
-            break
-    return glued
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the comparison, print the tables, write gpt.json; return the result."""
     args = parse_args(argv)
     load_before = os.getloadavg()
-    runs = []
-    for r in range(args.repeats):
-        k = r % len(args.variants)
-        order = args.variants[k:] + args.variants[:k]
-        run = {}
-        for v in order:
-            run[v] = ddptrain.spawn(_worker, args.world_size, v, args, timeout_s=args.timeout_s)
-            print(f"repeat {r + 1}/{args.repeats}: {v} done", flush=True)
-        runs.append({v: run[v] for v in args.variants})
+    runs = rotated_repeats(
+        args.variants,
+        args.repeats,
+        lambda v: ddptrain.spawn(_worker, args.world_size, v, args, timeout_s=args.timeout_s),
+        progress=True,
+    )
     settings = {
         "world_size": args.world_size,
         "steps": args.steps,

@@ -38,6 +38,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="synthetic data, 6 steps: seconds")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--timeout-s", type=float, default=1800.0)
-    args = p.parse_args(_glue_recipe_args(sys.argv[1:] if argv is None else argv))
+    args = p.parse_args(glue_recipe_args(sys.argv[1:] if argv is None else argv))
     if args.data == "auto":
         args.data = "fashion-mnist" if DEBIAN_FASHION_MNIST.is_dir() else "synthetic"
     if args.quick:
@@ -259,7 +260,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _glue_recipe_args(argv: list[str]) -> list[str]:
+def glue_recipe_args(argv: list[str]) -> list[str]:
     """`--recipe-args --sync-batchnorm` as `--recipe-args=--sync-batchnorm`: argparse would take
     a lone value that starts with `--` for an option and say the flag has no argument."""
     glued = list(argv)
@@ -270,17 +271,32 @@ def _glue_recipe_args(argv: list[str]) -> list[str]:
     return glued
 
 
+def rotated_repeats(
+    variants: list[str], repeats: int, run: Callable[[str], Any], progress: bool = False
+) -> list[dict[str, Any]]:
+    """`repeats` runs of every variant, each repeat starting one variant later, so no variant
+    always runs first on a machine that warms up or is shared; results in `variants` order."""
+    runs = []
+    for r in range(repeats):
+        k = r % len(variants)
+        done = {}
+        for v in variants[k:] + variants[:k]:
+            done[v] = run(v)
+            if progress:
+                print(f"repeat {r + 1}/{repeats}: {v} done", flush=True)
+        runs.append({v: done[v] for v in variants})
+    return runs
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the comparison, print the table, write recipe.json (and recipe.png); return it."""
     args = parse_args(argv)
     load_before = os.getloadavg()
-    runs = []
-    for r in range(args.repeats):
-        order = args.variants[r % len(args.variants) :] + args.variants[: r % len(args.variants)]
-        run = {}
-        for v in order:
-            run[v] = ddptrain.spawn(_worker, args.world_size, v, args, timeout_s=args.timeout_s)
-        runs.append({v: run[v] for v in args.variants})
+    runs = rotated_repeats(
+        args.variants,
+        args.repeats,
+        lambda v: ddptrain.spawn(_worker, args.world_size, v, args, timeout_s=args.timeout_s),
+    )
     settings = {
         "world_size": args.world_size,
         "steps": args.steps,
