@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.plan.predict import Prediction, largest_efficient, pick
+from ddptrain.plot._mpl import MissingMatplotlib, pyplot
 
 MIB = 2**20
 
@@ -138,11 +139,8 @@ def plot(predictions: list[Prediction], rows: list[dict[str, Any]], path: Path, 
     """Step time and peak memory against world size, per strategy; measured points where
     --check ran. False when matplotlib (extra "plot") is missing."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+        plt = pyplot()
+    except MissingMatplotlib:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, pred in enumerate(predictions):

@@ -7,7 +7,7 @@ import pytest
 from ddptrain.plan import plan
 from ddptrain.plan.check import compare, run_local
 from ddptrain.plan.predict import Point, Prediction, largest_efficient, pick, set_efficiency
-from ddptrain.plan.report import format_picks
+from ddptrain.plan.report import format_picks, plot
 from ddptrain.plan.run import Steps
 from ddptrain.plan.setup import Setup
 from support.plan_profiles import ddp_profile
@@ -78,3 +78,14 @@ def test_json_prints_each_configurations_numbers_and_the_tables_go_to_stderr(
     assert all(p["step_s"] > 0 and p["peak_bytes"] > 0 for p in points)
     assert "samples/s" in err and "largest world size" in err and "#" in err
     assert json.loads((tmp_path / "plan.json").read_text())["plans"] == json.loads(out)["plans"]
+
+
+def test_the_chart_is_a_png_of_the_predictions(tmp_path):
+    """plot() draws every strategy's step time and memory into a PNG (matplotlib is a dev
+    dependency) and says it did."""
+    pytest.importorskip("matplotlib")
+    predictions = [_prediction("ddp", {1: 1.0, 2: 1.1}), _prediction("zero3", {1: 1.2, 2: 1.3})]
+    set_efficiency(predictions, 1.0)
+    path = tmp_path / "plan.png"
+    assert plot(predictions, [], path, "toy")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
