@@ -135,6 +135,14 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 per parameter outside the position embedding (forward
+        and backward of its products) plus 12 * n_layer * n_embd * block_size for the attention
+        scores and their weighted sums, as in PaLM's appendix B and nanoGPT's estimate_mfu."""
+        params = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+        n_embd = self.wte.weight.shape[1]
+        return 6 * params + 12 * len(self.blocks) * n_embd * self.block_size
+
     @torch.no_grad()
     def generate(
         self,

@@ -82,3 +82,12 @@ def test_width_must_split_into_heads():
     """n_embd not divisible by n_head is refused, naming both."""
     with pytest.raises(ValueError, match="n_embd 30 is not divisible by n_head 4"):
         GPT(n_embd=30, n_head=4)
+
+
+def test_training_flops_per_token_count_every_product_but_the_position_table():
+    """flops_per_token is 6 per weight of the tied embedding, the blocks (12 d^2 + 13 d each)
+    and the final norm, plus 12 L d T for attention: the closed form for GPT-2's layout."""
+    n_layer, d, t, vocab = 2, 32, 16, 256
+    model = GPT(n_layer=n_layer, n_head=4, n_embd=d, block_size=t)
+    weights = vocab * d + n_layer * (12 * d * d + 13 * d) + 2 * d
+    assert model.flops_per_token() == 6 * weights + 12 * n_layer * d * t

@@ -6,7 +6,9 @@ one GPU the worlds are of one rank, which still runs every collective through NC
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import hashlib
 import math
 from dataclasses import replace
 
@@ -19,9 +21,11 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import ddptrain
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from ddptrain.fsdp.wrapper import FullyShardedDataParallel
+from ddptrain.models import LeNet
 from ddptrain.nn.sync_batchnorm import SyncBatchNorm
 from ddptrain.optim.zero import ZeroRedundancyOptimizer
 from ddptrain.train import checkpoint as ckpt
+from ddptrain.train.build import pin_kernels
 from ddptrain.train.config import TrainerConfig
 from support import toy_models
 
@@ -225,3 +229,79 @@ def test_zero_stage_1_on_cuda_equals_adamw_and_its_state_loads_into_adamw():
     result = ddptrain.spawn(_run_zero, 1, timeout_s=300)[0]
     assert result["weights"] == 0.0 and result["moments"] == 0.0, result
     assert all(d.startswith("cuda") for d in result["state_devices"]), result
+
+
+# Same bits at any world size on CUDA: 4 micro-batches of 8 a step, LeNet with BatchNorm and
+# dropout, AdamW. One GPU holds every rank: world size 1 over NCCL, 2 and 4 over gloo with the
+# tensors on the GPU (NCCL refuses two ranks on one device).
+DET_MICRO, DET_MICRO_BATCHES, DET_STEPS = 8, 4, 3
+
+
+def _run_deterministic(backend: str) -> dict:
+    info = ddptrain.init_distributed(backend=backend)
+    device = torch.device("cuda", 0)
+    pin_kernels(device)
+    torch.manual_seed(0)
+    net = LeNet(dropout=0.3, width=1, batchnorm=True).to(device)
+    initial = net.conv1.weight.detach().clone()
+    model = DistributedDataParallel(net, deterministic=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(5)
+    n = DET_MICRO * DET_MICRO_BATCHES * DET_STEPS
+    x, y = torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+    rounds = DET_MICRO_BATCHES // info.world_size
+    for step in range(DET_STEPS):
+        opt.zero_grad(set_to_none=True)
+        for j in range(rounds):
+            k = step * DET_MICRO_BATCHES + j * info.world_size + info.rank
+            xb = x[k * DET_MICRO : (k + 1) * DET_MICRO].to(device)
+            yb = y[k * DET_MICRO : (k + 1) * DET_MICRO].to(device)
+            with model.no_sync() if j < rounds - 1 else contextlib.nullcontext():
+                F.nll_loss(model(xb), yb).backward()
+        opt.step()
+    state = net.state_dict()
+    tensors = [state[k] for k in sorted(state)]
+    tensors += [t for s in opt.state_dict()["state"].values() for t in s.values() if t.dim()]
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return {
+        "digest": digest.hexdigest(),
+        "devices": sorted({str(t.device) for t in tensors}),
+        "trained": bool((net.conv1.weight != initial).any()),
+    }
+
+
+def test_deterministic_mode_gives_the_same_bits_twice_on_cuda():
+    """deterministic=True on CUDA: two runs of LeNet with BatchNorm and dropout end on the same
+    parameters, buffers and optimizer state, bit for bit, all on the GPU."""
+    first, second = (ddptrain.spawn(_run_deterministic, 1, "nccl", timeout_s=300)[0] for _ in "ab")
+    assert first["trained"] and all(d.startswith("cuda") for d in first["devices"]), first
+    assert first["digest"] == second["digest"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_deterministic_mode_on_cuda_ends_alike_however_the_micro_batches_are_grouped(world_size):
+    """deterministic=True on CUDA: 4 micro-batches on one rank end on the bits of the same
+    micro-batches shared by 2 or 4 ranks (gloo carrying the GPU's tensors)."""
+    one = ddptrain.spawn(_run_deterministic, 1, "nccl", timeout_s=300)[0]
+    shared = ddptrain.spawn(_run_deterministic, world_size, "gloo", timeout_s=300)
+    assert all(r["trained"] for r in shared)
+    assert [r["digest"] for r in shared] == [one["digest"]] * world_size
+
+
+def test_the_deterministic_trainer_gives_the_same_bits_twice_on_cuda():
+    """TrainerConfig(deterministic=True) on CUDA (torch's deterministic algorithms turned on by
+    the Trainer): two runs with dropout end on the same parameters and logged loss."""
+    cfg = TrainerConfig(
+        global_batch_size=12,
+        micro_batch_size=3,
+        deterministic=True,
+        epochs=2,
+        progress_bar=False,
+    )
+    runs = [ddptrain.spawn(toy_models.fit, 1, cfg, 0.3, timeout_s=300)[0] for _ in "ab"]
+    (first, first_params), (second, second_params) = runs
+    assert first["step"] == 16 and math.isfinite(first["train_loss"])
+    assert torch.equal(first_params, second_params)
+    assert first["train_loss"] == second["train_loss"]

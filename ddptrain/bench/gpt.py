@@ -17,7 +17,10 @@ data (the standard library's windows; validation on its held-out windows), with 
 tokens/s is steady-state training: tokens a step over the median interval between optimizer
 steps, leaving out the first --skip-steps (compilation, warm-up) and those holding an
 evaluation; cpu ms/step is the median CPU time of such a step on a rank (every thread's),
-which other jobs on a shared machine inflate far less than the wall time. Every --eval-every
+which other jobs on a shared machine inflate far less than the wall time. On a GPU (ranks take
+one each, NCCL), MFU is the model's training FLOPs a token (models.GPT.flops_per_token) times
+tokens/s over the card's datasheet peak at the recipe's --precision (--peak-tflops for a card
+the table lacks); the plain loop autocasts as the Trainer does. Every --eval-every
 steps each variant scores the same validation windows (bits per byte).
 Variants run in separate worlds one after another (the order rotates every repeat); ratios
 are of the medians, and "paired" is the median of each repeat's own ratio.
@@ -50,6 +53,15 @@ import ddptrain
 from ddptrain.bench.recipe import glue_recipe_args, rotated_repeats
 from ddptrain.bench.report import machine
 from ddptrain.train.optimizers import adamw_groups, warmup_cosine_factor
+
+# Dense peak FLOP/s per GPU by the recipe's --precision (bf16 on tensor cores; fp32 without
+# TF32, torch's default for matrix products), from NVIDIA's datasheets for the SXM parts.
+PEAK_FLOPS = {
+    "H100": {"bf16": 989.4e12, "fp32": 66.9e12},
+    "H200": {"bf16": 989.4e12, "fp32": 66.9e12},
+    "A100": {"bf16": 312e12, "fp32": 19.5e12},
+}
+PEAK_SOURCE = "NVIDIA datasheets (H100/H200 SXM, A100 SXM), dense"
 
 RECIPE_PATH = Path(__file__).resolve().parents[2] / "recipes" / "gpt.py"
 VARIANTS = (
@@ -124,14 +136,20 @@ def _now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def _run_plain(args: argparse.Namespace, flags: argparse.Namespace, variant: str) -> dict:
-    """nanoGPT's loop: torch's DDP (or fully_shard), AdamW, lr by hand, clipping, evaluation."""
+def _run_plain(
+    args: argparse.Namespace, flags: argparse.Namespace, variant: str, device: torch.device
+) -> dict:
+    """nanoGPT's loop: torch's DDP (or fully_shard), AdamW, lr by hand, clipping, evaluation,
+    the forward under autocast at the recipe's --precision."""
     recipe = _load_recipe()
+    if flags.precision == "fp16":
+        raise ValueError("the plain loop runs --precision fp32 or bf16 (fp16 needs a GradScaler)")
+    precision = torch.autocast(device.type, torch.bfloat16, enabled=flags.precision == "bf16")
     seed = flags.seed + (1 if variant == "plain_seed2" else 0)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     train, val, _ = recipe.load_text(flags, flags.seed)
     torch.manual_seed(seed)
-    model = recipe.GPTTrainer(recipe.build_config(flags), flags).build_model()
+    model = recipe.GPTTrainer(recipe.build_config(flags), flags).build_model().to(device)
     if variant == "fully_shard":
         from torch.distributed.fsdp import fully_shard
 
@@ -141,7 +159,7 @@ def _run_plain(args: argparse.Namespace, flags: argparse.Namespace, variant: str
     else:
         if variant == "plain_compiled":
             model = torch.compile(model)
-        ddp_model = TorchDDP(model)
+        ddp_model = TorchDDP(model, device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(
         adamw_groups(model, flags.weight_decay), lr=flags.lr, betas=(flags.beta1, flags.beta2)
     )
@@ -161,8 +179,10 @@ def _run_plain(args: argparse.Namespace, flags: argparse.Namespace, variant: str
             )
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            logits = ddp_model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with precision:
+                logits = ddp_model(x)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), flags.grad_clip_norm)
@@ -170,7 +190,8 @@ def _run_plain(args: argparse.Namespace, flags: argparse.Namespace, variant: str
             ends.append(_now())
             step += 1
             if step % args.eval_every == 0 or step == args.steps:
-                curve.append((step, _evaluate(model, val, flags.eval_batch_size)))
+                with precision:
+                    curve.append((step, _evaluate(model, val, flags.eval_batch_size, device)))
             if step == args.steps:
                 break
         epoch += 1
@@ -179,14 +200,14 @@ def _run_plain(args: argparse.Namespace, flags: argparse.Namespace, variant: str
 
 
 @torch.no_grad()
-def _evaluate(model: torch.nn.Module, val: Any, batch_size: int) -> float:
+def _evaluate(model: torch.nn.Module, val: Any, batch_size: int, device: torch.device) -> float:
     """Bits per byte over every validation window (every rank all of them, as nanoGPT's
     estimate_loss does; a fully sharded model needs every rank in every forward)."""
     model.eval()
     nats, count = 0.0, 0
     for i in range(0, len(val), batch_size):
-        x, y = val.get_batch(range(i, min(i + batch_size, len(val))))
-        logits = model(x)
+        x, y = (t.to(device) for t in val.get_batch(range(i, min(i + batch_size, len(val)))))
+        logits = model(x).float()
         nats += F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1).sum().item()
         count += len(x)
     model.train()
@@ -195,15 +216,16 @@ def _evaluate(model: torch.nn.Module, val: Any, batch_size: int) -> float:
 
 def _worker(variant: str, args: argparse.Namespace) -> dict:
     flags = _load_recipe().parse_args(args.recipe_args)
-    ddptrain.init_distributed()
+    info = ddptrain.init_distributed()
     try:
         if variant.startswith("ddptrain"):
             run = _run_ddptrain(args, flags, variant)
         else:
-            run = _run_plain(args, flags, variant)
+            run = _run_plain(args, flags, variant, info.device)
     finally:
         ddptrain.shutdown()
     run["tokens_per_step"] = flags.global_batch_size * flags.block_size
+    run["device"] = torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu"
     return run
 
 
@@ -238,8 +260,18 @@ def cpu_ms_per_step(ends: list[tuple[float, float]], skip: int, eval_every: int)
     return 1e3 * statistics.median(steady_intervals(ends, skip, eval_every)[1])
 
 
+def peak_flops(device: str, precision: str) -> float | None:
+    """The datasheet's dense peak FLOP/s of a GPU named `device` at `precision` (pure); None
+    where the table has no such GPU (a CPU, another card: --peak-tflops gives it)."""
+    for name, peaks in PEAK_FLOPS.items():
+        if name in device:
+            return peaks.get(precision)
+    return None
+
+
 def summarize(runs: list[dict[str, dict]], settings: dict[str, Any]) -> dict[str, Any]:
-    """Per-repeat raw runs in, tokens/s, ratios and validation curves out (pure)."""
+    """Per-repeat raw runs in, tokens/s, ratios and validation curves out (pure). With
+    settings' peak_flops, each variant's MFU: flops_per_token x tokens/s over that peak."""
     skip, every = settings["skip_steps"], settings["eval_every"]
     rates: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
@@ -264,6 +296,9 @@ def summarize(runs: list[dict[str, dict]], settings: dict[str, Any]) -> dict[str
             "curve": last["curve"],
             "final_bpb": last["curve"][-1][1] if last["curve"] else None,
         }
+        if settings.get("peak_flops"):
+            achieved = settings["flops_per_token"] * statistics.median(rs)
+            variants[v]["mfu"] = achieved / settings["peak_flops"]
     pairs = []
     for ours, theirs in PAIRS:
         if ours in variants and theirs in variants:
@@ -314,6 +349,10 @@ def format_table(result: dict[str, Any]) -> str:
             f"run-to-run: plain vs plain_seed2 (next seed) curves differ by up to "
             f"{result['seed_gap_bpb']:.3f} bits per byte"
         )
+    if any("mfu" in x for x in v.values()):
+        s = result["settings"]
+        lines += ["", f"MFU against {s['peak_flops'] / 1e12:.1f} TFLOP/s ({s['peak_source']}):"]
+        lines += [f"{name:<33} {x['mfu']:>6.1%}" for name, x in v.items() if "mfu" in x]
     steps = sorted({s for x in v.values() for s, _ in x["curve"]})
     lines += ["", "validation bits per byte at step " + " ".join(f"{s:>6}" for s in steps)]
     for name, x in v.items():
@@ -351,6 +390,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--quick", action="store_true", help="a tiny model, 24 steps: a minute")
     p.add_argument("--timeout-s", type=float, default=3600.0)
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="the peak for MFU (default: datasheet's)"
+    )
     args = p.parse_args(glue_recipe_args(sys.argv[1:] if argv is None else argv))
     if args.quick:
         args.steps, args.eval_every, args.skip_steps = 24, 12, 4
@@ -361,6 +403,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     _load_recipe().parse_args(args.recipe_args)  # a bad flag: one error here, not per rank
     return args
+
+
+def _flops_per_token(flags: argparse.Namespace) -> int:
+    recipe = _load_recipe()
+    return recipe.GPTTrainer(recipe.build_config(flags), flags).build_model().flops_per_token()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -384,6 +431,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine(),
         "load_avg_1m_before_after": [load_before[0], os.getloadavg()[0]],
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    flags = _load_recipe().parse_args(args.recipe_args)
+    device = runs[0][args.variants[0]][0]["device"]
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops(device, flags.precision)
+    settings |= {
+        "device": device,
+        "precision": flags.precision,
+        "flops_per_token": _flops_per_token(flags),
+        "peak_flops": peak,
+        "peak_source": "--peak-tflops" if args.peak_tflops else PEAK_SOURCE,
     }
     result = summarize(runs, settings)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,21 @@ def test_summary_pairs_the_loops_and_measures_the_curves_apart():
     assert result["variants"]["plain"]["final_bpb"] == 2.45
 
 
+def test_mfu_is_the_models_flops_at_the_measured_rate_over_the_cards_peak():
+    """With a peak in the settings each variant's MFU is flops_per_token x its median tokens/s
+    over that peak; the datasheet table names H100s and H200s at bf16, and no CPU."""
+    runs = [{"ddptrain": _run(0.5, []), "plain": _run(0.25, [])}]
+    settings = {"skip_steps": 1, "eval_every": 100, "flops_per_token": 1e9, "peak_flops": 1e12}
+    v = gpt.summarize(runs, settings)["variants"]
+    assert v["ddptrain"]["mfu"] == pytest.approx(64 / 0.5 * 1e9 / 1e12)
+    assert v["plain"]["mfu"] == pytest.approx(2 * v["ddptrain"]["mfu"])
+    assert gpt.peak_flops("NVIDIA H200", "bf16") == gpt.peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    assert gpt.peak_flops("NVIDIA H200", "fp32") < gpt.peak_flops("NVIDIA H200", "bf16")
+    assert gpt.peak_flops("cpu", "bf16") is None
+    no_peak = gpt.summarize(runs, {"skip_steps": 1, "eval_every": 100, "peak_flops": None})
+    assert "mfu" not in no_peak["variants"]["plain"]
+
+
 @pytest.mark.slow
 def test_quick_run_writes_the_comparison(tmp_path):
     """--quick trains the tiny GPT with the Trainer and the plain loop at world size 2: both
