@@ -127,7 +127,8 @@ def init_distributed(
         os.unlink(path)
         method = f"file://{path}"
     kwargs = {}
-    if device.type == "cuda":
+    if device.type == "cuda" and backend == "nccl":
+        # Binds NCCL's communicator to this rank's GPU; gloo carries any device's tensors.
         kwargs["device_id"] = device
     timeout = datetime.timedelta(seconds=timeout_s)
     set_timeout_s(timeout_s)

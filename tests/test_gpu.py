@@ -121,13 +121,12 @@ def test_crash_and_resume_on_cuda_is_bitwise_equal_to_uninterrupted(tmp_path):
     base = TrainerConfig(
         global_batch_size=12,
         epochs=4,
+        checkpoint_dir=str(tmp_path / "a"),
         checkpoint_every_steps=5,
         keep_last=10,
         progress_bar=False,
     )
-    straight = ddptrain.spawn(
-        toy_models.fit, 1, replace(base, checkpoint_dir=str(tmp_path / "a")), 0.3, timeout_s=300
-    )[0]
+    straight = ddptrain.spawn(toy_models.fit, 1, base, 0.3, timeout_s=300)[0]
     cfg = replace(base, checkpoint_dir=str(tmp_path / "b"), resume="auto")
     with pytest.raises(ddptrain.WorkerError, match="simulated crash"):
         ddptrain.spawn(toy_models.fit, 1, cfg, 0.3, 13, timeout_s=300)
@@ -285,7 +284,10 @@ def test_deterministic_mode_on_cuda_ends_alike_however_the_micro_batches_are_gro
     """deterministic=True on CUDA: 4 micro-batches on one rank end on the bits of the same
     micro-batches shared by 2 or 4 ranks (gloo carrying the GPU's tensors)."""
     one = ddptrain.spawn(_run_deterministic, 1, "nccl", timeout_s=300)[0]
-    shared = ddptrain.spawn(_run_deterministic, world_size, "gloo", timeout_s=300)
+    # Every rank's LOCAL_RANK 0: all of them on the one GPU.
+    shared = ddptrain.spawn(
+        _run_deterministic, world_size, "gloo", timeout_s=300, env={"LOCAL_RANK": "0"}
+    )
     assert all(r["trained"] for r in shared)
     assert [r["digest"] for r in shared] == [one["digest"]] * world_size
 

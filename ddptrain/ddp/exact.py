@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ddptrain.ddp.buckets import memory_format, memory_order
 
@@ -166,6 +167,31 @@ def mean_from_fixed(acc: torch.Tensor, shift: int, count: int, out: torch.Tensor
         out.copy_(torch.cat(result).view(out.shape) if result else out)
 
 
+def _piece_size(device: torch.device) -> int:
+    """Elements converted at once: on a CPU a piece that stays in cache; on a GPU a large one,
+    each operation being a kernel launch whose cost the CPU pays whatever its size."""
+    return _PIECE if device.type == "cpu" else 1 << 24
+
+
+def _pieces(tensors: list[torch.Tensor], size: int):
+    """The tensors' elements in order, as pieces of at most `size`: a large tensor cut in
+    slices, consecutive small ones joined (a model of many small parameters costs a few
+    operations a piece, not a few a parameter)."""
+    parts: list[torch.Tensor] = []
+    held = 0
+    for t in tensors:
+        flat = t.reshape(-1)
+        for start in range(0, flat.numel(), size):
+            part = flat[start : start + size]
+            if parts and held + part.numel() > size:
+                yield parts[0] if len(parts) == 1 else torch.cat(parts)
+                parts, held = [], 0
+            parts.append(part)
+            held += part.numel()
+    if parts:
+        yield parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def exact_norm(
     grads: list[torch.Tensor], group: Any = None, sharded: bool = False, numel: int | None = None
 ) -> torch.Tensor:
@@ -176,10 +202,10 @@ def exact_norm(
     holds all of it and nothing is sent. Non-finite gradients give a non-finite norm."""
     device = grads[0].device if grads else torch.device("cpu")
     numel = sum(g.numel() for g in grads) if numel is None else numel
+    grads = [g.detach() for g in grads if g.numel()]
     peak = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        if g.numel():
-            peak = torch.maximum(peak, g.detach().abs().amax().double())
+    if grads:
+        peak = nn.utils.get_total_norm(grads, math.inf).double()
     # NaN does not survive a MAX on every backend: as inf it does, and wins.
     peak = torch.nan_to_num(peak, nan=math.inf, posinf=math.inf)
     if sharded and dist.get_world_size(group) > 1:
@@ -194,11 +220,8 @@ def exact_norm(
     shift = square_bits // 2 - math.frexp(top)[1]
     scale = math.ldexp(1.0, shift)
     total = torch.zeros((), dtype=torch.int64, device=device)
-    for g in grads:
-        flat = g.detach().reshape(-1)
-        for start in range(0, flat.numel(), _PIECE):
-            squares = flat[start : start + _PIECE].double().mul_(scale).square_().round_()
-            total += squares.to(torch.int64).sum()
+    for piece in _pieces(grads, _piece_size(device)):
+        total += piece.double().mul_(scale).square_().round_().to(torch.int64).sum()
     if sharded and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return (total.double() * math.ldexp(1.0, -2 * shift)).sqrt().float()
