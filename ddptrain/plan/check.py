@@ -33,7 +33,7 @@ from ddptrain.bench.hosts import run_launchers, terminate_as_exit
 from ddptrain.netns import torchrun, two_hosts
 from ddptrain.plan.calibrate import background_threads
 from ddptrain.plan.predict import Point
-from ddptrain.plan.profile import START_METHOD
+from ddptrain.plan.profile import start_method
 from ddptrain.plan.run import Steps, run_rank
 from ddptrain.plan.setup import Setup, rank_env
 
@@ -75,7 +75,7 @@ def run_local(
         setup.as_dict(),
         steps or Steps(),
         timeout_s=timeout_s,
-        start_method=START_METHOD,
+        start_method=start_method(setup.device),
         env=rank_env(setup.device),
     )
     return summarize(ranks)

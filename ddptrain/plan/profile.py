@@ -53,6 +53,13 @@ START_METHOD = "spawn"
 TIMED_STEPS = 8
 
 
+def start_method(device: str) -> str | None:
+    """How ranks of `device` start: CPU ranks as START_METHOD says; CUDA ranks from
+    ddptrain.spawn's forkserver (torch imported once, seconds saved a rank), since the
+    allocator's bytes they are measured by hold nothing a fork inherits."""
+    return START_METHOD if device == "cpu" else None
+
+
 @dataclass
 class Profile:
     """One strategy's step at world size 1, in seconds and bytes (see the module docstring)."""
@@ -100,7 +107,7 @@ def profile(setup: Setup, timeout_s: float = 600.0) -> Profile:
         1,
         setup.as_dict(),
         timeout_s=timeout_s,
-        start_method=START_METHOD,
+        start_method=start_method(setup.device),
         env=rank_env(setup.device),
     )
     return Profile(**raw)
