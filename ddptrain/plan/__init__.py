@@ -4,6 +4,7 @@
     python -m ddptrain.plan --model mlp --link 1gbit --world-sizes 2,4,8,16
     python -m ddptrain.plan --models lenet,mlp --links local,1gbit --world-sizes 2,3,4 --check
     python -m ddptrain.plan --model mypkg.nets:build --batch-size 64   # your model (workloads.py)
+    python -m ddptrain.plan --device cuda --world-sizes 1 --check      # one GPU: profile, run
 
     from ddptrain.plan import plan
     result = plan("mlp", strategies=["ddp", "zero3"], world_sizes=[1, 2, 4])
@@ -14,7 +15,9 @@ It profiles the model's step on one process (profile.py), measures this machine'
 once (calibrate.py, cached), and models the rest: each rank's step as threads sharing its
 cores (timeline.py, steps.py), the link's cost per collective (links.py), the bytes a rank
 holds (memory.py, predict.py). `--check` trains the same setups for real (check.py) and prints
-predicted against measured. scaling.py writes docs/scaling.md (GPU ranks on paper).
+predicted against measured. `device`: where the profile and the check run, "cuda" (the
+default where torch sees a GPU: device seconds and bytes, a GPU link) or "cpu" (meter.py).
+scaling.py writes docs/scaling.md (GPU ranks on paper).
 docs/plan.md states the formulas and what they assume.
 """
 
@@ -31,7 +34,15 @@ from ddptrain.plan.calibrate import (
     measured_shaped_link,
     usable_cores,
 )
-from ddptrain.plan.links import NAMED, Link, LocalLink, ShapedLink, named_link, shaped_link
+from ddptrain.plan.links import (
+    NAMED,
+    BusLink,
+    Link,
+    LocalLink,
+    ShapedLink,
+    named_link,
+    shaped_link,
+)
 from ddptrain.plan.predict import (
     Prediction,
     largest_efficient,
@@ -40,11 +51,14 @@ from ddptrain.plan.predict import (
     set_efficiency,
 )
 from ddptrain.plan.profile import Profile, profile
-from ddptrain.plan.setup import STRATEGIES, Setup
+from ddptrain.plan.setup import STRATEGIES, Setup, default_device, require_device
 
 __all__ = ["Plan", "Prediction", "Profile", "Setup", "plan", "profile", "resolve_link"]
 
 DEFAULT_STRATEGIES = ("ddp", "zero1", "zero3", "powersgd")
+# The link a device's ranks are planned on unless told: this machine's for CPU ranks; for GPU
+# ranks a named NCCL profile (at world size 1 no link matters).
+DEFAULT_LINKS = {"cpu": "local", "cuda": "nccl-100g"}
 
 
 @dataclass
@@ -79,9 +93,15 @@ class Plan:
         }
 
 
-def resolve_link(name: str, world_sizes: list[int]) -> Link:
+def resolve_link(name: str, world_sizes: list[int], device: str = "cpu") -> Link:
     """ "local" (this machine), a rate as tc writes it ("1gbit": two hosts made on this
-    machine, as --check runs them), or a named GPU profile (links.NAMED)."""
+    machine, as --check runs them), or a named GPU profile (links.NAMED); CUDA ranks take a
+    GPU profile only."""
+    if device == "cuda" and name not in NAMED:
+        raise ValueError(
+            f"link {name!r} is for CPU ranks; GPU ranks (--device cuda) take one of "
+            f"{', '.join(NAMED)}"
+        )
     on_host = [n for n in world_sizes if n <= 4 * usable_cores()]
     if name == "local":
         return local_link(on_host or [1, 2])
@@ -110,7 +130,7 @@ def plan(
     *,
     strategies: list[str] | tuple[str, ...] = DEFAULT_STRATEGIES,
     world_sizes: list[int] | tuple[int, ...] = (1, 2, 3, 4),
-    link: str | Link = "local",
+    link: str | Link | None = None,
     batch_size: int | None = None,
     precision: str = "fp32",
     optimizer: str = "sgd",
@@ -118,18 +138,29 @@ def plan(
     background: float | None = None,
     memory_per_rank_bytes: int | None = None,
     profiles: dict[str, Profile] | None = None,
+    device: str | None = None,
 ) -> Plan:
-    """Predict every strategy at every world size (the module docstring); `background`: busy
-    threads of other programs to share the cores with (None: counted now, 0 for an idle
-    machine); `profiles`: by strategy, to reuse."""
+    """Predict every strategy at every world size (the module docstring); `link`: None for
+    the device's default (DEFAULT_LINKS); `background`: busy threads of other programs to
+    share the cores with (None: counted now, 0 for an idle machine); `profiles`: by strategy,
+    to reuse; `device`: None for cuda where torch sees a GPU, else cpu."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}: choose from {', '.join(STRATEGIES)}")
+    device = device or default_device()
+    if profiles is None or set(strategies) - set(profiles):
+        require_device(device)
     sizes = sorted(set(world_sizes))
-    resolved = resolve_link(link, sizes) if isinstance(link, str) else link
-    busy = background_threads() if background is None else background
-    if not isinstance(resolved, LocalLink | ShapedLink):
-        busy = 0.0
+    link = DEFAULT_LINKS[device] if link is None else link
+    if isinstance(link, str):
+        resolved = resolve_link(link, sizes, device)
+    elif device == "cuda" and not isinstance(link, BusLink):
+        raise ValueError(f"link {link.name!r} is for CPU ranks; GPU ranks take a BusLink")
+    else:
+        resolved = link
+    busy = 0.0
+    if isinstance(resolved, LocalLink | ShapedLink):
+        busy = background_threads() if background is None else background
     predictions, used = [], []
     for strategy in strategies:
         setup = Setup(
@@ -139,6 +170,7 @@ def plan(
             optimizer=optimizer,
             strategy=strategy,
             powersgd_rank=powersgd_rank,
+            device=device,
         )
         prof = (profiles or {}).get(strategy) or profile(setup)
         used.append(prof)

@@ -5,6 +5,8 @@
     python -m ddptrain.plan --model mlp --link nccl-100g --world-sizes 8,64,512   # GPU ranks
     python -m ddptrain.plan --models lenet,mlp --links local,100mbit,1gbit,10gbit \\
         --world-sizes 2,3,4 --check --out plan-results          # predicted vs measured (root)
+    python -m ddptrain.plan --device cuda --models mlp,lenet,gpt --strategies ddp,zero1,zero3 \\
+        --world-sizes 1 --check --out plan-cuda                 # one GPU: predicted vs measured
 
 Per model and link: a table per strategy and world size (step time, samples/s, scaling
 efficiency against one rank, exposed communication, peak memory, whether it fits), the
@@ -13,7 +15,9 @@ strategy it would pick at each world size and the largest world size keeping eff
 a rate: two network namespaces, one rank each, the link shaped with tc, root only) and prints
 predicted against measured. Writes <out>/plan.json (--json: also on stdout, per configuration
 the predicted step seconds and peak bytes, and the measured ones after --check) and a chart per
-model and link (PNG with matplotlib, else text).
+model and link (PNG with matplotlib, else text). --device cuda (the default where torch sees a
+GPU) profiles and checks on the GPU, in device seconds and device memory, planning for a GPU
+link (nccl-100g unless told); --check runs at most as many ranks as there are GPUs.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.bench.report import machine
-from ddptrain.plan import DEFAULT_STRATEGIES, plan, resolve_link
-from ddptrain.plan.check import compare, run_local, run_two_hosts, wait_for_quiet
-from ddptrain.plan.links import NAMED, LocalLink, ShapedLink
+from ddptrain.plan import DEFAULT_LINKS, DEFAULT_STRATEGIES, plan, resolve_link
+from ddptrain.plan.check import beyond_gpus, compare, run_local, run_two_hosts, wait_for_quiet
+from ddptrain.plan.links import NAMED, BusLink, LocalLink, ShapedLink
+from ddptrain.plan.meter import DEVICES
 from ddptrain.plan.predict import predict
 from ddptrain.plan.report import (
     format_check,
@@ -41,7 +46,14 @@ from ddptrain.plan.report import (
     text_chart,
 )
 from ddptrain.plan.run import Steps
-from ddptrain.plan.setup import OPTIMIZERS, PRECISIONS, STRATEGIES, Setup
+from ddptrain.plan.setup import (
+    OPTIMIZERS,
+    PRECISIONS,
+    STRATEGIES,
+    Setup,
+    default_device,
+    require_device,
+)
 from ddptrain.plan.workloads import names
 
 
@@ -57,10 +69,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
                    help=f"comma-separated, of {', '.join(STRATEGIES)}")  # fmt: skip
     p.add_argument("--world-sizes", default="1,2,3,4", help="comma-separated")
-    p.add_argument("--links", "--link", default="local",
+    p.add_argument("--links", "--link", default=None,
                    help="comma-separated: local (this machine, shared memory); a rate as tc "
                    "writes it (100mbit, 1gbit, 10gbit: two hosts on this machine); "
-                   f"{', '.join(NAMED)} (GPU ranks, NCCL)")  # fmt: skip
+                   f"{', '.join(NAMED)} (GPU ranks, NCCL). Default: "
+                   f"{DEFAULT_LINKS['cpu']} on cpu, {DEFAULT_LINKS['cuda']} on cuda")  # fmt: skip
+    p.add_argument("--device", choices=list(DEVICES), default=None,
+                   help="where the profile and --check run: cuda (device seconds and memory, "
+                   "NCCL, one GPU per rank) or cpu (CPU seconds, RSS, gloo). Default: cuda when "
+                   "torch.cuda.is_available(), else cpu")  # fmt: skip
     p.add_argument("--batch-size", type=int, default=None, help="per rank (default: the model's)")
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS))
     p.add_argument("--optimizer", default="sgd", choices=list(OPTIMIZERS))
@@ -84,18 +101,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = [m for m in args.models.split(",") if m]
     args.strategies = [s for s in args.strategies.split(",") if s]
     args.world_sizes = _ints(args.world_sizes)
-    args.links = [x for x in args.links.split(",") if x]
     bad = [s for s in args.strategies if s not in STRATEGIES]
     if bad:
         p.error(f"unknown strategies {bad}: choose from {', '.join(STRATEGIES)}")
     if not args.world_sizes or min(args.world_sizes) < 1:
         p.error("--world-sizes: positive integers, e.g. 1,2,4")
+    args.device = args.device or default_device()
+    args.links = [x for x in (args.links or DEFAULT_LINKS[args.device]).split(",") if x]
+    try:
+        require_device(args.device)
+        if args.device == "cuda":
+            _refuse_for_cuda(args)
+    except ValueError as e:
+        raise SystemExit(f"{p.prog}: error: {e}") from None
     warmup, blocks, block = _ints(args.steps)
     args.steps = Steps(warmup, blocks, block)
     return args
 
 
-def _checkable(link: Any, world_size: int) -> bool:
+def _refuse_for_cuda(args: argparse.Namespace) -> None:
+    """CUDA ranks plan on GPU links, and --check runs one rank per GPU."""
+    cpu_links = [x for x in args.links if x not in NAMED]
+    if cpu_links:
+        raise ValueError(
+            f"--links {','.join(cpu_links)}: CPU links; with --device cuda give one of "
+            f"{', '.join(NAMED)}"
+        )
+    if args.check:
+        import torch
+
+        gpus = torch.cuda.device_count()
+        over = beyond_gpus(args.world_sizes, gpus)
+        if over:
+            raise ValueError(
+                f"--check on cuda runs one rank per GPU with NCCL: world sizes "
+                f"{','.join(map(str, over))} need more than the {gpus} GPU(s) here; drop them "
+                "from --world-sizes, or plan them without --check"
+            )
+
+
+def _checkable(link: Any, world_size: int, device: str) -> bool:
+    if device == "cuda":
+        return isinstance(link, BusLink)
     if isinstance(link, LocalLink):
         return world_size <= 4 * link.cores
     return isinstance(link, ShapedLink) and world_size == 2
@@ -105,8 +152,8 @@ def _check(args: argparse.Namespace, result: Any, link: Any) -> list[dict[str, A
     rows = []
     for pred, prof in zip(result.predictions, result.profiles, strict=True):
         setup = Setup(**pred.setup)
-        for n in [n for n in args.world_sizes if _checkable(link, n)]:
-            busy = args.background
+        for n in [n for n in args.world_sizes if _checkable(link, n, setup.device)]:
+            busy = 0.0 if isinstance(link, BusLink) else args.background
             if busy is None:
                 busy = wait_for_quiet(args.quiet_below, args.quiet_wait_s)
             point = predict(setup, prof, link, [n], background=busy).points[0]
@@ -136,7 +183,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
     budget = int(args.memory_per_rank_gib * 2**30) if args.memory_per_rank_gib else None
     for model in args.models:
         for link_name in args.links:
-            link = resolve_link(link_name, args.world_sizes)
+            link = resolve_link(link_name, args.world_sizes, args.device)
             result = plan(
                 model,
                 strategies=args.strategies,
@@ -148,6 +195,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
                 powersgd_rank=args.powersgd_rank,
                 background=args.background,
                 memory_per_rank_bytes=budget,
+                device=args.device,
             )
             title = f"{model}, {link_name}: {getattr(link, 'description', '')}"
             print(f"\n== {title} (planned for {result.background_threads:.1f} busy threads of "
@@ -189,6 +237,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
         "strategies": args.strategies,
         "world_sizes": args.world_sizes,
         "links": args.links,
+        "device": args.device,
         "batch_size": args.batch_size,
         "precision": args.precision,
         "optimizer": args.optimizer,

@@ -4,13 +4,15 @@
     measured = run_two_hosts(setup, "1gbit")           # two network namespaces, tc-shaped (root)
     row = compare(setup, point, measured, "local", background=0.4)
 
-One host: ddptrain.spawn starts the ranks (run.py's loop). Two hosts: as `python -m
+One host: ddptrain.spawn starts the ranks (run.py's loop): CPU ranks with gloo, CUDA ranks with
+NCCL, one GPU each, so a CUDA check runs at most as many ranks as there are GPUs
+(`beyond_gpus`). Two hosts (CPU ranks): as `python -m
 ddptrain.bench --two-hosts --link RATE` does (bench/hosts.py, bench/link.py, ddptrain.netns):
 two network namespaces joined by a veth pair, each with a /dev/shm of its own, the veth shaped
 both ways with tc tbf and probed, one torchrun a host running `python -m ddptrain.plan.run`.
 Measured: the median over blocks of the slowest rank's seconds per step, and the largest peak
-RSS of any rank while training. `wait_for_quiet` holds a run back while other programs keep
-the cores busy, up to a limit, and says how busy they were.
+RSS (on CUDA: max_memory_allocated) of any rank while training. `wait_for_quiet` holds a run
+back while other programs keep the cores busy, up to a limit, and says how busy they were.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from ddptrain.bench.hosts import run_launchers, terminate_as_exit
 from ddptrain.netns import torchrun, two_hosts
 from ddptrain.plan.calibrate import background_threads
 from ddptrain.plan.predict import Point
-from ddptrain.plan.profile import START_METHOD
+from ddptrain.plan.profile import start_method
 from ddptrain.plan.run import Steps, run_rank
-from ddptrain.plan.setup import Setup
+from ddptrain.plan.setup import Setup, rank_env
 
 
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -45,18 +47,36 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "rss_before_model_bytes": max(r["rss_before_model_bytes"] for r in ranks),
         "max_rss_bytes": max(r["max_rss_bytes"] for r in ranks),
         "block_step_s": blocks,
+        "devices": sorted({r.get("device", "cpu") for r in ranks}),
     }
 
 
-def run_local(setup: Setup, world_size: int, steps: Steps | None = None) -> dict[str, Any]:
+def beyond_gpus(world_sizes: list[int], gpus: int) -> list[int]:
+    """The world sizes a CUDA check cannot run on `gpus` GPUs: NCCL wants a GPU per rank."""
+    return [n for n in world_sizes if n > gpus]
+
+
+def run_local(
+    setup: Setup, world_size: int, steps: Steps | None = None, timeout_s: float = 900.0
+) -> dict[str, Any]:
     """Train `setup` on `world_size` spawned ranks of this host; summarize()'s figures."""
+    if setup.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if beyond_gpus([world_size], gpus):
+            raise ValueError(
+                f"world size {world_size} on cuda needs {world_size} GPUs (NCCL, one per rank); "
+                f"this machine has {gpus}"
+            )
     ranks = ddptrain.spawn(
         run_rank,
         world_size,
         setup.as_dict(),
         steps or Steps(),
-        timeout_s=900,
-        start_method=START_METHOD,
+        timeout_s=timeout_s,
+        start_method=start_method(setup.device),
+        env=rank_env(setup.device),
     )
     return summarize(ranks)
 

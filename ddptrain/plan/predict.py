@@ -18,6 +18,13 @@ transport's receive chunk (across hosts). The sharded strategies' peak is the RS
 model, the runtime's own growth while training (the plain model's measured peak at world
 size 1 less its tensors) and the largest sum of live tensors in their simulated step: shards,
 optimizer state, gathered units, whole gradients, send and receive buffers, activations.
+
+On CUDA (a profile of device="cuda", a GPU link) the same parts are device memory, the
+caching allocator's bytes: "runtime" is what was allocated before the model (no interpreter
+or library baseline: max_memory_allocated leaves out the CUDA context), "runtime_growth" the
+measured one-rank peak beyond parameters, gradients (the buckets they are views of), optimizer
+state and activations (cuBLAS workspaces, autograd's temporaries, a comm hook's buffers), and
+NCCL needs no staging copies.
 """
 
 from __future__ import annotations
@@ -99,7 +106,8 @@ def step_seconds(
 
 
 def peak_memory(setup: Setup, prof: Profile, link: Link, world_size: int) -> dict[str, int]:
-    """Peak RSS per rank and its parts (module docstring), in bytes; "peak" is the total."""
+    """Peak memory per rank (RSS; device memory for a CUDA profile) and its parts (module
+    docstring), in bytes; "peak" is the total."""
     n = world_size
     state = prof.optimizer_state_bytes
     parts = {"runtime": prof.rss_before_model_bytes}

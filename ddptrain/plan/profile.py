@@ -13,18 +13,23 @@ in the times; what a world of one does not do, sending, the plan adds from the l
 sharded strategies run the plain model, with a forward pre-hook and hook on each unit the
 sharded wrapper would make (fsdp/layout.py's choose_units): their gathers and copies are the
 plan's to add. Marks: the comm hook, wrapped, notes when each bucket reaches it (DDP
-strategies); a hook after each parameter's gradient is accumulated (sharded). Times are CPU
-seconds of the thread that runs the step (autograd runs a CPU backward on it), so other
-programs' load inflates them less than wall time: the plan shares the cores out itself
-(timeline.py). Saved-tensor hooks count the activations of one forward (distinct storages,
-not parameters), by the unit whose forward saved them. glibc returns freed blocks at once, as
-in --check (run.py).
+strategies); a hook after each parameter's gradient is accumulated (sharded).
+
+What a second and a byte are depends on the setup's device (meter.py). CPU: CPU seconds of the
+thread that runs the step (autograd runs a CPU backward on it), so other programs' load
+inflates them less than wall time: the plan shares the cores out itself (timeline.py); memory
+is RSS, glibc returning freed blocks at once, as in --check (run.py). CUDA: the device's
+seconds between events recorded at each span's edge and at each mark (on the stream the work
+runs on; nothing waits at a mark, the step ends in a synchronize); memory is the caching
+allocator's (the `*_rss_*` fields then hold memory_allocated before the model and
+max_memory_allocated while training; the CUDA context is in neither). Saved-tensor hooks count
+the activations of one forward (distinct storages on the setup's device, not parameters), by
+the unit whose forward saved them.
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -33,9 +38,10 @@ import torch
 from torch import nn
 
 import ddptrain
-from ddptrain.bench.memory import reset_peak_rss, return_freed_memory, status_field
+from ddptrain.bench.memory import return_freed_memory
 from ddptrain.fsdp.layout import choose_units, group_parameters
-from ddptrain.plan.setup import OPTIMIZERS, Setup, build
+from ddptrain.plan.meter import Meter, meter_for
+from ddptrain.plan.setup import OPTIMIZERS, Setup, build, rank_env
 
 SHARDED = ("zero2", "zero3")
 
@@ -45,6 +51,13 @@ WARMUP_STEPS = 3
 # profile and --check start every rank so.
 START_METHOD = "spawn"
 TIMED_STEPS = 8
+
+
+def start_method(device: str) -> str | None:
+    """How ranks of `device` start: CPU ranks as START_METHOD says; CUDA ranks from
+    ddptrain.spawn's forkserver (torch imported once, seconds saved a rank), since the
+    allocator's bytes they are measured by hold nothing a fork inherits."""
+    return START_METHOD if device == "cpu" else None
 
 
 @dataclass
@@ -77,6 +90,7 @@ class Profile:
     rss_before_model_bytes: int = 0
     peak_rss_bytes: int = 0
     optimizer_state_bytes: int = 0
+    device: str = "cpu"  # what the seconds and bytes are of (the module docstring)
 
     @property
     def param_bytes(self) -> int:
@@ -87,43 +101,63 @@ class Profile:
 
 
 def profile(setup: Setup, timeout_s: float = 600.0) -> Profile:
-    """Profile `setup` in a fresh process (a world of one)."""
+    """Profile `setup` in a fresh process (a world of one) on the setup's device."""
     (raw,) = ddptrain.spawn(
-        _profile_rank, 1, setup.as_dict(), timeout_s=timeout_s, start_method=START_METHOD
+        _profile_rank,
+        1,
+        setup.as_dict(),
+        timeout_s=timeout_s,
+        start_method=start_method(setup.device),
+        env=rank_env(setup.device),
     )
     return Profile(**raw)
 
 
 def _profile_rank(setup_dict: dict[str, Any]) -> dict[str, Any]:
-    return_freed_memory()
-    info = ddptrain.init_distributed()
     setup = Setup(**setup_dict)
+    return measure(setup, meter_for(setup.device))
+
+
+def rank_device(setup: Setup) -> torch.device:
+    """Join a world (gloo for CPU ranks, NCCL for CUDA ones) and return this rank's device."""
+    info = ddptrain.init_distributed(backend="gloo" if setup.device == "cpu" else None)
+    if setup.device == "cuda" and info.device.type != "cuda":
+        raise RuntimeError(f"setup wants cuda, but this rank got {info.device} ({info.backend})")
+    return torch.device("cpu") if setup.device == "cpu" else info.device
+
+
+def measure(setup: Setup, meter: Meter) -> dict[str, Any]:
+    """Collective: the profile's fields, measured on this rank of a world of one with `meter`
+    (the CPU's, CUDA's, or a test's stand-in)."""
+    return_freed_memory()
+    device = rank_device(setup)
     work = setup.workload
-    rss_before_model = status_field("VmRSS")
+    before_model = meter.allocated_bytes()
     sharded = setup.strategy in SHARDED
-    hook_timer = None if sharded else _HookTimer()
+    hook_timer = None if sharded else _HookTimer(meter)
     if sharded:
         # The sharded wrapper's gathers and copies are the plan's to add: its compute is the
         # plain model's, timed unit by unit.
         torch.manual_seed(0)
-        model = work.factory().to(device=info.device, dtype=setup.dtype)
+        model = work.factory().to(device=device, dtype=setup.dtype)
         optimizer = OPTIMIZERS[setup.optimizer](model.parameters(), lr=1e-3)
         plain, unit_modules = model, choose_units(model, None)
     else:
         # Marks on the parameters would turn off the slots large Linear layers compute their
         # gradients into (cpu/linear_slots.py): the comm hook, timed, marks each bucket.
-        model, optimizer = build(setup, info.device, hook_timer.wrap)
+        model, optimizer = build(setup, device, hook_timer.wrap)
         plain, unit_modules = model.module, []
     named = list(plain.named_parameters())
     names = [n for n, _ in named]
     params = [p for _, p in named]
     shapes = [list(p.shape) for p in params]
     numels = [p.numel() for p in params]
-    marks = _Marks(plain, params, unit_modules, param_hooks=sharded)
+    marks = _Marks(meter, plain, params, unit_modules, param_hooks=sharded)
     x, y = work.batch(torch.Generator().manual_seed(0))
     if x.is_floating_point():
         x = x.to(setup.dtype)
-    reset = reset_peak_rss()
+    x, y = x.to(device), y.to(device)
+    meter.reset_peak()
     times: dict[str, list[float]] = {
         k: [] for k in ("wall", "step", "forward", "backward", "optimizer")
     }
@@ -135,16 +169,19 @@ def _profile_rank(setup_dict: dict[str, Any]) -> dict[str, Any]:
         marks.clear()
         if hook_timer is not None:
             hook_timer.clear()
-        wall, t0 = time.perf_counter(), time.thread_time()
+        meter.start()
+        wall, s0 = time.perf_counter(), meter.stamp()
         optimizer.zero_grad(set_to_none=True)
         loss = work.loss(model(x), y)
-        t1 = time.thread_time()
+        s1 = meter.stamp()
         loss.backward()
-        t2 = time.thread_time()
+        s2 = meter.stamp()
         optimizer.step()
-        t3 = time.thread_time()
+        s3 = meter.stamp()
+        meter.finish()
         if step < WARMUP_STEPS:
             continue
+        t0, t1, t2, t3 = (meter.seconds(s) for s in (s0, s1, s2, s3))
         times["wall"].append(time.perf_counter() - wall)
         times["step"].append(t3 - t0)
         times["forward"].append(t1 - t0)
@@ -153,10 +190,10 @@ def _profile_rank(setup_dict: dict[str, Any]) -> dict[str, Any]:
         ready.append(marks.ready_offsets(t1))
         unit_forward.append(marks.forward_spans(t0))
         if hook_timer is not None:
-            hooks.append(list(hook_timer.seconds))
-            bucket_ready.append([t - t1 for t in hook_timer.main_at_start])
-    peak = status_field("VmHWM") if reset else 0
-    activations, per_unit = _activation_bytes(model, work, x, y, params, marks)
+            hooks.append(hook_timer.own_seconds())
+            bucket_ready.append([t - t1 for t in hook_timer.ready_seconds()])
+    peak = meter.peak_bytes()
+    activations, per_unit = _activation_bytes(model, work, x, y, params, marks, device)
     return {
         "setup": setup.as_dict(),
         "param_names": names,
@@ -178,9 +215,10 @@ def _profile_rank(setup_dict: dict[str, Any]) -> dict[str, Any]:
         else [],
         "activation_bytes": activations,
         "unit_activation_bytes": per_unit,
-        "rss_before_model_bytes": rss_before_model,
+        "rss_before_model_bytes": before_model,
         "peak_rss_bytes": peak,
         "optimizer_state_bytes": _state_bytes(optimizer),
+        "device": setup.device,
     }
 
 
@@ -193,13 +231,15 @@ class _Marks:
 
     def __init__(
         self,
+        meter: Meter,
         root: nn.Module,
         params: list[torch.Tensor],
         units: list[nn.Module],
         param_hooks: bool,
     ) -> None:
-        self.ready: dict[int, float] = {}
-        self.spans: dict[int, list[float]] = {}
+        self.meter = meter
+        self.ready: dict[int, Any] = {}
+        self.spans: dict[int, list[Any]] = {}
         self.units = units
         self.n = len(params)
         index = {id(p): i for i, p in enumerate(params)}
@@ -214,21 +254,21 @@ class _Marks:
 
     def _ready(self, i: int) -> Any:
         def hook(_: torch.Tensor) -> None:
-            self.ready[i] = time.thread_time()
+            self.ready[i] = self.meter.stamp()
 
         return hook
 
     def _enter(self, k: int) -> Any:
         def hook(*_: Any) -> None:
             if torch.is_grad_enabled():
-                self.spans[k] = [time.thread_time()]
+                self.spans[k] = [self.meter.stamp()]
 
         return hook
 
     def _leave(self, k: int) -> Any:
         def hook(*_: Any) -> None:
             if torch.is_grad_enabled() and k in self.spans:
-                self.spans[k].append(time.thread_time())
+                self.spans[k].append(self.meter.stamp())
 
         return hook
 
@@ -237,10 +277,14 @@ class _Marks:
         self.spans.clear()
 
     def ready_offsets(self, t: float) -> list[float]:
-        return [self.ready.get(i, t) - t for i in range(self.n)]
+        """Seconds after `t` (from the step's start) each parameter's gradient was ready."""
+        at = {i: self.meter.seconds(s) for i, s in self.ready.items()}
+        return [at.get(i, t) - t for i in range(self.n)]
 
     def forward_spans(self, t: float) -> list[list[float]]:
-        return [[s - t for s in self.spans.get(k, [t, t])] for k in range(len(self.units))]
+        """Each unit's forward start and end, seconds after `t`."""
+        spans = {k: [self.meter.seconds(s) for s in v] for k, v in self.spans.items()}
+        return [[s - t for s in spans.get(k, [t, t])] for k in range(len(self.units))]
 
     def unit_members(self) -> list[list[int]]:
         return self.members
@@ -252,26 +296,36 @@ class _Marks:
 
 
 class _HookTimer:
-    """Per bucket: the CPU clock of the step's thread when the comm hook got it (the bucket's
-    ready time), and the hook's own CPU seconds (of the thread that runs it)."""
+    """Per bucket: the step's clock when the comm hook got it (the bucket's ready time), and
+    the hook's own seconds (CPU: of the thread that runs it)."""
 
-    def __init__(self) -> None:
-        self.main_clock = time.pthread_getcpuclockid(threading.get_ident())
-        self.main_at_start: list[float] = []
-        self.seconds: list[float] = []
+    def __init__(self, meter: Meter) -> None:
+        self.meter = meter
+        self.at_start: list[Any] = []
+        self.spans: list[tuple[Any, Any]] = []
 
     def clear(self) -> None:
-        self.main_at_start, self.seconds = [], []
+        self.at_start, self.spans = [], []
 
     def wrap(self, hook: Any) -> Any:
         def timed(state: Any, bucket: Any) -> Any:
-            self.main_at_start.append(time.clock_gettime(self.main_clock))
-            start = time.thread_time()
+            self.at_start.append(self.meter.stamp())
+            start = self.meter.own_stamp()
             out = hook(state, bucket)
-            self.seconds.append(time.thread_time() - start)
+            self.spans.append((start, self.meter.own_stamp()))
             return out
 
         return timed
+
+    def ready_seconds(self) -> list[float]:
+        """Seconds from the step's start to each bucket's hook (after the step's finish)."""
+        return [self.meter.seconds(s) for s in self.at_start]
+
+    def own_seconds(self) -> list[float]:
+        """The hook's own seconds on each bucket."""
+        if self.meter.device == "cpu":
+            return [b - a for a, b in self.spans]
+        return [self.meter.seconds(b) - self.meter.seconds(a) for a, b in self.spans]
 
 
 def _bucket_members(model: nn.Module, names: list[str]) -> list[list[int]]:
@@ -286,16 +340,19 @@ def _activation_bytes(
     y: torch.Tensor,
     params: list[torch.Tensor],
     marks: _Marks,
+    device: torch.device,
 ) -> tuple[int, list[int]]:
-    """Bytes of the distinct storages one forward saves for backward, not parameters': in all,
-    and per unit (by the innermost unit running when saved; sharded strategies only)."""
+    """Bytes of the distinct storages on `device` one forward saves for backward, not
+    parameters': in all, and per unit (by the innermost unit running when saved; sharded
+    strategies only)."""
     seen: dict[int, tuple[int, int | None]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         skip = {p.untyped_storage().data_ptr() for p in params}
-        if ptr not in skip and ptr not in seen and storage.nbytes() > 0:
+        on_device = storage.device.type == device.type
+        if on_device and ptr not in skip and ptr not in seen and storage.nbytes() > 0:
             seen[ptr] = (storage.nbytes(), marks.unit_of_now())
         return t
 

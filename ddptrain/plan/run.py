@@ -6,9 +6,12 @@
 A step is zero_grad, forward, loss, backward, optimizer step, as the step bench's. After
 `warmup` steps, `blocks` blocks of `block` steps each start at a barrier and run back to back;
 a block's time per step is taken on every rank, and a step is as slow as its slowest rank.
-Memory per rank: the RSS before the model was built, and the peak RSS while training (the
-kernel's high-water mark, reset just before the first step), with glibc returning freed blocks
-at once (bench/memory.py's `return_freed_memory`): the allocator the prediction assumes.
+Memory per rank, reset just before the first step (meter.py): on CPU the RSS before the model
+was built and the peak RSS while training (the kernel's high-water mark), with glibc returning
+freed blocks at once (bench/memory.py's `return_freed_memory`): the allocator the prediction
+assumes. On CUDA (NCCL, one GPU per rank) the caching allocator's bytes, memory_allocated
+before the model and max_memory_allocated while training; a block's wall time ends with a
+synchronize, so it holds the device's work.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 import ddptrain
-from ddptrain.bench.memory import reset_peak_rss, return_freed_memory, status_field
+from ddptrain.bench.memory import return_freed_memory
+from ddptrain.plan.meter import Meter, meter_for
+from ddptrain.plan.profile import rank_device
 from ddptrain.plan.setup import Setup, build
 
 
@@ -38,41 +43,48 @@ class Steps:
     block: int = 2
 
 
-def run_rank(setup_dict: dict[str, Any], steps: Steps) -> dict[str, Any]:
-    """This rank's measurements (spawned by ddptrain.spawn, or under a launcher)."""
+def run_rank(
+    setup_dict: dict[str, Any], steps: Steps, meter: Meter | None = None
+) -> dict[str, Any]:
+    """This rank's measurements (spawned by ddptrain.spawn, or under a launcher); `meter`:
+    the setup's device's (meter.py) unless given."""
     freed = return_freed_memory()
-    info = ddptrain.init_distributed()
     setup = Setup(**setup_dict)
+    device = rank_device(setup)
+    meter = meter or meter_for(setup.device)
     work = setup.workload
-    rss_before_model = status_field("VmRSS")
-    model, optimizer = build(setup, info.device)
-    x, y = work.batch(torch.Generator().manual_seed(info.rank))
+    rss_before_model = meter.allocated_bytes()
+    model, optimizer = build(setup, device)
+    x, y = work.batch(torch.Generator().manual_seed(dist.get_rank()))
     if x.is_floating_point():
         x = x.to(setup.dtype)
-    x, y = x.to(info.device), y.to(info.device)
+    x, y = x.to(device), y.to(device)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         work.loss(model(x), y).backward()
         optimizer.step()
 
-    reset = reset_peak_rss()
+    meter.reset_peak()
     for _ in range(steps.warmup):
         step()
     block_s, cpu_s = [], []
     for _ in range(steps.blocks):
+        meter.sync()
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         for _ in range(steps.block):
             step()
+        meter.sync()
         block_s.append((time.perf_counter() - start) / steps.block)
         cpu_s.append((time.process_time() - start_cpu) / steps.block)
     return {
-        "rank": info.rank,
+        "rank": dist.get_rank(),
+        "device": setup.device,
         "step_s": block_s,
         "cpu_s": cpu_s,
         "rss_before_model_bytes": rss_before_model,
-        "peak_rss_bytes": status_field("VmHWM") if reset else 0,
+        "peak_rss_bytes": meter.peak_bytes(),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "malloc_returns_freed": freed,
     }

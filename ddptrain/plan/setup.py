@@ -1,12 +1,15 @@
-"""One training setup a plan predicts: model, per-rank batch, precision, optimizer, strategy.
+"""One training setup a plan predicts: model, per-rank batch, precision, optimizer, strategy,
+device.
 
     s = Setup(model="mlp", strategy="zero1", optimizer="adamw")
-    s.label                       # "mlp zero1 adamw"
+    s.label                       # "mlp zero1 adamw" ("... cuda" on a GPU)
     build(s, device)              # on every rank: (wrapped model, optimizer), as --check runs it
+    rank_env("cpu")               # what spawned ranks need to compute on that device
 
 Strategies: "ddp" (ddptrain's wrapper, its default transport), "zero1" (the wrapper and
 ZeroRedundancyOptimizer), "zero2" and "zero3" (FullyShardedDataParallel), "powersgd" (the
 wrapper with the PowerSGD hook at `powersgd_rank`, compressing from the second step).
+Devices: "cpu" (gloo; the GPUs hidden from the ranks) and "cuda" (NCCL, one GPU per rank).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddptrain.plan.meter import DEVICES
 from ddptrain.plan.workloads import Workload, workload
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "powersgd")
@@ -38,6 +42,7 @@ class Setup:
     optimizer: str = "sgd"
     strategy: str = "ddp"
     powersgd_rank: int = 4
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -48,6 +53,8 @@ class Setup:
             raise ValueError(f"precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.powersgd_rank < 1:
             raise ValueError(f"powersgd_rank must be >= 1, got {self.powersgd_rank}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r}: choose one of {', '.join(DEVICES)}")
 
     @property
     def label(self) -> str:
@@ -55,7 +62,8 @@ class Setup:
         strategy = (
             f"powersgd-r{self.powersgd_rank}" if self.strategy == "powersgd" else self.strategy
         )
-        return f"{self.model} {strategy} {self.optimizer}"
+        device = "" if self.device == "cpu" else f" {self.device}"
+        return f"{self.model} {strategy} {self.optimizer}{device}"
 
     @property
     def workload(self) -> Workload:
@@ -67,6 +75,28 @@ class Setup:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def default_device() -> str:
+    """ "cuda" where torch sees a GPU, else "cpu"."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def require_device(device: str) -> None:
+    """Refuse, in one line, a device this machine lacks."""
+    if device not in DEVICES:
+        raise ValueError(f"device {device!r}: choose one of {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "device 'cuda': torch.cuda.is_available() is False on this machine (torch "
+            f"{torch.__version__}); plan for --device cpu, or run on a machine with a GPU"
+        )
+
+
+def rank_env(device: str) -> dict[str, str]:
+    """Environment for ranks spawned to compute on `device`: CPU ranks see no GPU, so
+    init_distributed picks gloo and the CPU even on a GPU machine."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}
 
 
 def build(

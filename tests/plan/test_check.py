@@ -49,7 +49,7 @@ def test_picks_against_measured_best():
 def test_lenet_ddp_at_two_ranks_is_predicted_within_wide_bounds():
     """LeNet with DDP on two local ranks: predicted peak memory within 25% of the measured, and
     step time within a factor of 2 (wide: other programs share the machine's cores)."""
-    result = plan("lenet", strategies=["ddp"], world_sizes=[2], link="local")
+    result = plan("lenet", strategies=["ddp"], world_sizes=[2], link="local", device="cpu")
     point = result.predictions[0].at(2)
     measured = run_local(Setup(model="lenet", strategy="ddp"), 2, Steps(2, 4, 2))
     row = compare(Setup(model="lenet"), point, measured, "local", result.background_threads)
