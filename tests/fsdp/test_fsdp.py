@@ -254,6 +254,10 @@ def _case_accumulation(info) -> dict:
         f"{s}": _train_against_ddp("wide", "adamw", s, info.rank, micro=MICRO_STEPS) for s in (2, 3)
     }
     for s in (2, 3):
+        out[f"{s}-branch"] = _train_against_ddp(
+            "branch_unit", "adamw", s, info.rank, micro=MICRO_STEPS
+        )
+    for s in (2, 3):
         out[f"{s}-synced"] = _train_against_ddp(
             "tanh", "sgd", s, info.rank, micro=MICRO_STEPS, synced=True
         )
@@ -509,12 +513,15 @@ def test_unused_and_frozen_parameters_keep_grad_none(world):
         assert r["frozen-sgd-2"]["nones"][1] == ["frozen.weight", "frozen.bias"]
 
 
-@pytest.mark.parametrize("stage", ["2", "3"])
-def test_gradient_accumulation_under_no_sync_is_bitwise_equal_to_ddp(world, stage):
-    """Three micro-batches (two under no_sync) per step, 12 AdamW steps: bitwise equal."""
+@pytest.mark.parametrize("case", ["2", "3", "2-branch", "3-branch"])
+def test_gradient_accumulation_under_no_sync_is_bitwise_equal_to_ddp(world, case):
+    """Three micro-batches (two under no_sync) per step, 12 AdamW steps: bitwise equal, also
+    with a branch unit that only rank 1's micro-batches run (its whole gradient accumulates
+    there, rank 0 only pairs its gathers)."""
     for rank, r in enumerate(worlds.outcome(world(2), "accumulation")):
-        assert all(r[stage]["steps_equal"]), (rank, r[stage]["max_diff"])
-        assert r[stage]["state_diff"] == 0.0
+        assert all(r[case]["steps_equal"]), (rank, r[case]["max_diff"])
+        assert all(r[case]["none_equal"]), (rank, r[case]["nones"])
+        assert r[case]["state_diff"] == 0.0
 
 
 @pytest.mark.parametrize("stage", ["2", "3"])
