@@ -116,21 +116,24 @@ def test_collective_helpers_across_ranks():
 
 
 def _run_unpaired_on_a_new_group() -> str:
-    """Rank 0 all_reduces on a group of ddptrain's alone; rank 1 stays alive, silent."""
-    import time
+    """Rank 0 all_reduces on a group of ddptrain's alone; rank 1 waits for it on a group that
+    torch made with a long timeout."""
+    import datetime
 
     from ddptrain.ddp.hooks import new_group_like
 
     info = ddptrain.init_distributed(timeout_s=2)
     group = new_group_like(None)
-    if info.rank == 1:
-        time.sleep(8)
-        return ""
-    try:
-        torch.distributed.all_reduce(torch.ones(1), group=group)
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    patient = torch.distributed.new_group(timeout=datetime.timedelta(seconds=60))
+    message = ""
+    if info.rank == 0:
+        try:
+            torch.distributed.all_reduce(torch.ones(1), group=group)
+            message = "no error"
+        except RuntimeError as e:
+            message = str(e)
+    torch.distributed.barrier(group=patient)
+    return message
 
 
 def test_a_group_ddptrain_makes_times_out_as_the_default_group_does():
