@@ -115,6 +115,34 @@ def test_collective_helpers_across_ranks():
     assert results == [(1.0, 6.0, {"stop": True})] * 3
 
 
+def _run_unpaired_on_a_new_group() -> str:
+    """Rank 0 all_reduces on a group of ddptrain's alone; rank 1 waits for it on a group that
+    torch made with a long timeout."""
+    import datetime
+
+    from ddptrain.ddp.hooks import new_group_like
+
+    info = ddptrain.init_distributed(timeout_s=2)
+    group = new_group_like(None)
+    patient = torch.distributed.new_group(timeout=datetime.timedelta(seconds=60))
+    message = ""
+    if info.rank == 0:
+        try:
+            torch.distributed.all_reduce(torch.ones(1), group=group)
+            message = "no error"
+        except RuntimeError as e:
+            message = str(e)
+    torch.distributed.barrier(group=patient)
+    return message
+
+
+def test_a_group_ddptrain_makes_times_out_as_the_default_group_does():
+    """A collective only one rank reaches on a group made by new_group_like fails after
+    init_distributed's timeout_s (2 s), not torch's 30 minutes for a new gloo group."""
+    message = ddptrain.spawn(_run_unpaired_on_a_new_group, 2, timeout_s=60)[0]
+    assert "timed out" in message.lower(), message
+
+
 def _collective_threads() -> list[str]:
     """gloo's C++ threads (named in /proc) and ddptrain's Python worker threads, sorted."""
     tasks = os.listdir("/proc/self/task")

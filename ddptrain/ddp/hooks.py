@@ -29,6 +29,7 @@ while backward goes on. The process-group helpers at the end are shared by the t
 from __future__ import annotations
 
 import collections
+import datetime
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -373,9 +374,13 @@ def global_rank(group: Any, group_rank: int) -> int:
 
 
 def new_group_like(group: Any, backend: str | None = None) -> Any:
-    """Collective on the default group: a new group of `group`'s ranks (None: every rank)."""
+    """Collective on the default group: a new group of `group`'s ranks (None: every rank),
+    whose collectives fail after timeout_s() as the default group's do."""
     ranks = None if group is None else dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend=backend)
+    # torch gives a new group its backend's default (30 minutes for gloo), not the default
+    # group's: a collective only some ranks reach would hang for that long.
+    timeout = datetime.timedelta(seconds=timeout_s())
+    return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
 
 
 def release_group(group: Any) -> None:

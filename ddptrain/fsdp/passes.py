@@ -1,6 +1,6 @@
-"""What one forward of the fully sharded wrapper and its backward track, and the checks that
-turn a broken contract (units run in different orders, a gradient arriving late) into an error
-naming the fix."""
+"""What one forward of the fully sharded wrapper and its backward track, the order every rank
+gathers its units in, and the checks that turn a broken contract (a unit run twice, a gradient
+arriving late) into an error naming the fix."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddptrain.ddp.hooks import global_rank
 from ddptrain.fsdp.unit import Unit
 
 
@@ -19,7 +20,6 @@ class Pass:
     __slots__ = (
         "callback_queued",
         "done",
-        "freed_after_forward",
         "gather_order",
         "gather_position",
         "gathers_issued",
@@ -28,6 +28,8 @@ class Pass:
         "reduce_order",
         "reduced",
         "reducing",
+        "skipped",
+        "skipped_checked",
         "sync",
     )
 
@@ -35,11 +37,12 @@ class Pass:
         self.sync = sync
         self.done = False
         self.ran: list[Unit] = []  # units in the order their forwards started
-        self.freed_after_forward: list[Unit] = []  # in the order their forwards ended
+        self.skipped: set[int] = set()  # ids of the units this rank's forward did not run
         self.reduce_order: list[Unit] = []
         self.gather_order: list[Unit] = []
         self.gather_position: dict[int, int] = {}
         self.gathers_issued = 0
+        self.skipped_checked = 0  # gather_order's units free_skipped has looked at
         self.reduced = 0
         self.ready: set[int] = set()
         self.reducing: list[Unit] = []
@@ -61,6 +64,15 @@ class Pass:
                 "called twice part of a larger unit (units=[...])"
             )
         self.ran.append(unit)
+
+    def free_skipped(self, position: int) -> None:
+        """Free the units before `position` in gather_order that this rank's forward skipped:
+        gathered only to pair with the other ranks', and no backward of theirs runs here."""
+        while self.skipped_checked < position:
+            unit = self.gather_order[self.skipped_checked]
+            self.skipped_checked += 1
+            if id(unit) in self.skipped:
+                unit.free()
 
     def check_current(self, current: Pass) -> None:
         """Refuse a backward hook of a pass that is over (a second backward, or one after
@@ -109,19 +121,60 @@ def check_no_late_gradients(units: list[Unit]) -> None:
                 )
 
 
-def check_same_order(ran: list[Unit], units: list[Unit], group: Any) -> None:
-    """Raise on every rank if ranks ran different units, or in different orders."""
-    if dist.get_world_size(group) == 1:
-        return
+class Schedule:
+    """The order of a forward's gathers: every unit, in the same order on every rank, whichever
+    units this rank's forward runs, so that each gather pairs with the same unit's on the other
+    ranks (a branch some micro-batches take can be a unit of its own).
+
+        schedule.begin()                # a forward of the wrapper starts
+        schedule.issue_through(unit)    # before unit's forward: its gather and the next one's
+        schedule.end()                  # the gathers of the units this forward did not reach
+    """
+
+    __slots__ = ("issued", "position", "units")
+
+    def __init__(self, units: list[Unit]) -> None:
+        self.units = units
+        self.position = {id(u): i for i, u in enumerate(units)}
+        self.issued: int | None = None  # gathers started in this forward; None: outside one
+
+    def begin(self) -> None:
+        self.issued = 0
+
+    def issue_through(self, unit: Unit) -> None:
+        """Start the gathers up to `unit`'s and the next unit's (a prefetch: it travels while
+        `unit` computes); nothing outside a forward of the wrapper."""
+        if self.issued is None:
+            return
+        stop = min(self.position[id(unit)] + 2, len(self.units))
+        while self.issued < stop:
+            self.units[self.issued].gather()
+            self.issued += 1
+
+    def end(self) -> None:
+        """The forward is over: start the gathers it did not reach (the units it skipped)."""
+        if self.issued is None:
+            return
+        for unit in self.units[self.issued :]:
+            unit.gather()
+        self.issued = None
+
+
+def forward_order(ran: list[int], count: int) -> list[int]:
+    """Unit indices 0..count-1 in the order of a forward that ran `ran`, each unit it did not
+    run placed just after the unit before it in module order (unit 0 first)."""
+    order = list(ran)
+    for k in range(count):
+        if k not in order:
+            order.insert(order.index(k - 1) + 1 if k else 0, k)
+    return order
+
+
+def learn_order(ran: list[Unit], units: list[Unit], group: Any) -> list[Unit]:
+    """Collective: the units in the order of rank 0's forward (`ran` there), the same list on
+    every rank: the schedule of later forwards' gathers."""
     index = {id(u): i for i, u in enumerate(units)}
-    mine = [index[id(u)] for u in ran]
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    for rank, theirs in enumerate(everyone):
-        if theirs != everyone[0]:
-            raise RuntimeError(
-                f"ranks ran different units in their first forward (rank 0: {everyone[0]}, rank "
-                f"{rank}: {theirs}, by unit index): every rank must run the same units in the "
-                "same order, or their gathers pair up wrongly. Make a branch that only some "
-                "ranks take part of a larger unit"
-            )
+    mine = [[index[id(u)] for u in ran]]
+    if dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(mine, src=global_rank(group, 0), group=group)
+    return [units[i] for i in forward_order(mine[0], len(units))]

@@ -142,6 +142,8 @@ class Unit:
 
     def free(self) -> None:
         """Back to shards: the modules hold them and the gathered memory is released."""
+        if not self.gathered and self._gathering is None:
+            return  # the modules hold the shards already
         self.wait()
         self.use_shards()
         if self.gathered:

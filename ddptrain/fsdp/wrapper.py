@@ -17,6 +17,9 @@ after it and gathered again just before its backward. When a unit's backward is 
 gradients are reduce-scattered: each rank receives only its shard's piece of the mean. The
 next unit's gather is started before this one's forward or backward runs, and reduce-scatters
 run while autograd goes on, so communication overlaps compute as the DDP wrapper's buckets do.
+Every forward gathers every unit, in one order on every rank (rank 0's first forward's), and
+every synchronized backward reduces every unit: a unit that some ranks' inputs skip (a
+data-dependent branch) is gathered and reduced there too, so the collectives pair up.
 """
 
 from __future__ import annotations
@@ -38,7 +41,13 @@ from ddptrain.ddp.replicas import ModelBuffers, broadcast_coalesced, coalesce, v
 from ddptrain.fsdp import state
 from ddptrain.fsdp.deterministic import ExactGradients
 from ddptrain.fsdp.layout import DEFAULT_UNIT_MIN_NUMEL, choose_units, group_parameters
-from ddptrain.fsdp.passes import Pass, PostBackward, check_no_late_gradients, check_same_order
+from ddptrain.fsdp.passes import (
+    Pass,
+    PostBackward,
+    Schedule,
+    check_no_late_gradients,
+    learn_order,
+)
 from ddptrain.fsdp.unit import Unit
 
 # Reduce-scatters in flight at once, each holding a unit-sized send buffer: a backward's gradient
@@ -56,8 +65,10 @@ class FullyShardedDataParallel(nn.Module):
       after construction.
     - Between steps every parameter attribute of the module is this rank's shard (1-D, the
       parameter's elements in memory order); inside a unit's forward it is the whole parameter.
-    - Every rank runs the same units in the same order, once each per forward (checked on the
-      first forward); one forward is followed by at most one backward.
+    - Each unit runs at most once per forward (checked), on any rank in any order: every
+      forward gathers every unit, in one schedule the ranks share (fsdp/passes.py), so a unit
+      a rank skips (a branch) pairs with the gathers of the ranks that run it and counts as
+      zero there. One forward is followed by at most one backward.
     - When backward returns outside no_sync(), each shard's .grad holds its piece of the mean
       gradient over ranks (added to what it held); a parameter no rank got a gradient for keeps
       its .grad (None after zero_grad), as under the DDP wrapper. deterministic=True: the mean
@@ -120,8 +131,9 @@ class FullyShardedDataParallel(nn.Module):
         self.last_comm_wait_s = 0.0
         self._pass = Pass(sync=True)
         self._pass.done = True
-        self._next_in_forward: dict[int, Unit] = {}
-        self._order_checked = False
+        # Module order until the first training forward shows the order units run in.
+        self._schedule = Schedule(self.units)
+        self._order_learned = False
         self._summoned = False
 
     # ----------------------------------------------------------------------------- forward
@@ -130,29 +142,31 @@ class FullyShardedDataParallel(nn.Module):
             self._end_pass()  # the last forward had no backward: nothing of it is needed now
         if self.broadcast_buffers and self.world_size > 1 and self._model_buffers:
             self._model_buffers.sync(0)
+        if self._summoned:
+            return self.module(*args, **kwargs)  # every unit is whole: nothing to gather
         training = torch.is_grad_enabled()
         if training:
             self._pass = Pass(sync=self.require_backward_grad_sync)
+        self._schedule.begin()
         out = self.module(*args, **kwargs)
-        if training:
-            self._after_training_forward()
+        self._end_forward(training)
         return out
 
     def _before_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        """A unit's forward pre-hook: gather it, start gathering the next one; under grad,
-        route its inputs through _PostBackward so its backward's end is seen."""
+        """A unit's forward pre-hook: gather it and the next one in the schedule; under grad,
+        route its inputs through PostBackward so its backward's end is seen."""
         if self._summoned:
             return None
         p = self._pass
         training = torch.is_grad_enabled()
         if training:
             p.enter(unit)
+        self._schedule.issue_through(unit)
+        # Its scheduled gather was freed (a unit run again under no_grad) or there is no
+        # schedule (called outside the wrapper's forward): gathered as every rank calls it.
         unit.gather()
         unit.wait()
         unit.use_full()
-        following = self._next_in_forward.get(id(unit))
-        if following is not None:
-            following.gather()  # prefetch: it travels while this unit computes
         if not training:
             return None
         flat, spec = tree_flatten((args, kwargs))
@@ -177,8 +191,6 @@ class FullyShardedDataParallel(nn.Module):
         if not training or (self.reshard_after_forward and not is_root):
             # The root is not freed after a training forward: its backward comes first.
             unit.free()
-            if training:
-                p.freed_after_forward.append(unit)
         if not training:
             return
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
@@ -187,18 +199,35 @@ class FullyShardedDataParallel(nn.Module):
             hook = functools.partial(self._before_backward, unit, p)
             register_multi_grad_hook(tensors, hook, mode="any")
 
-    def _after_training_forward(self) -> None:
-        """The orders of this pass's backward, and the next forward's prefetches."""
+    def _end_forward(self, training: bool) -> None:
+        """Gather what the forward skipped, to pair with the ranks that ran it, and free it;
+        after a training forward, the orders of its backward."""
+        self._schedule.end()
+        ran = {id(u) for u in self._pass.ran} if training else set()
+        for unit in self.units:
+            if id(unit) not in ran:
+                unit.free()
+        if training:
+            self._after_training_forward(ran)
+
+    def _after_training_forward(self, ran: set[int]) -> None:
+        """The orders of this pass's backward, the same on every rank whichever units ran."""
         p = self._pass
-        if not self._order_checked:
-            check_same_order(p.ran, self.units, self._gather_group)
-            self._order_checked = True
-        # Reductions in reverse forward order (units whose backward ends first), then the units
-        # that did not run; gathers in the reverse of the order forwards ended (nested units).
-        p.reduce_order = list(reversed(p.ran)) + [u for u in self.units if u not in p.ran]
-        p.gather_order = list(reversed(p.freed_after_forward))
-        p.gather_position = {id(u): i for i, u in enumerate(p.gather_order)}
-        self._next_in_forward = {id(a): b for a, b in zip(p.ran, p.ran[1:], strict=False)}
+        if not self._order_learned:
+            self._schedule = Schedule(learn_order(p.ran, self.units, self._gather_group))
+            self._order_learned = True
+        order = self._schedule.units
+        p.skipped = {id(u) for u in order if id(u) not in ran}
+        # Reductions in reverse forward order (units whose backward ends first); a unit this
+        # rank skipped has no backward to wait for: its gradients (none, or no_sync()'s) are
+        # complete now.
+        p.reduce_order = order[::-1]
+        p.ready.update(p.skipped)
+        if self.reshard_after_forward:
+            # Every unit but the root (never freed after a training forward) is gathered again,
+            # here too if this rank skipped it: it pairs with the gathers of the ranks that ran it.
+            p.gather_order = [u for u in reversed(order) if u.module is not self.module]
+            p.gather_position = {id(u): i for i, u in enumerate(p.gather_order)}
 
     # ----------------------------------------------------------------------------- backward
     def _before_backward(self, unit: Unit, p: Pass, *grads: Any) -> None:
@@ -213,6 +242,7 @@ class FullyShardedDataParallel(nn.Module):
         self._issue_gathers(p, position + 2)
         unit.wait()
         unit.use_full()
+        p.free_skipped(position)
 
     def _queue_end_of_backward(self, p: Pass) -> None:
         if not p.callback_queued:

@@ -78,8 +78,15 @@ MODELS = {
     "channels_last": (_conv_last, "lenet", lambda m: [m.conv1, m.conv2]),
     "tied": (lambda: toy_models.make("tied"), "tied", lambda m: [m.embed, m.hidden, m.out]),
     "frozen": (lambda: toy_models.make("frozen"), "frozen", lambda m: [m.frozen, m.fc1]),
-    # The branch (rank 1 only) stays in the root unit: every rank runs the same units.
+    # The branch (rank 1 only) in the root unit, then a unit of its own, which the other
+    # ranks' forwards skip; the swapped layers run in another order on rank 1.
     "branch": (lambda: toy_models.make("branch"), "branch", lambda m: [m.trunk, m.never_used]),
+    "branch_unit": (
+        lambda: toy_models.make("branch"),
+        "branch",
+        lambda m: [m.trunk, m.branch, m.never_used],
+    ),
+    "swapped": (lambda: toy_models.make("swapped"), "swapped", lambda m: [m.first, m.second]),
     # BatchNorm's running stats: rank 0's at every forward, as under the DDP wrapper.
     "batchnorm": (lambda: toy_models.make("batchnorm"), "batchnorm", lambda m: [m.conv, m.fc]),
     "syncbn": (
@@ -230,6 +237,9 @@ EQUALITY = [
     ("tied", "adamw", 3),
     ("frozen", "sgd", 2),
     ("branch", "sgd", 3),
+    ("branch_unit", "sgd", 3),
+    ("branch_unit", "adamw", 2),
+    ("swapped", "sgd", 3),
     ("batchnorm", "sgd", 3),
     ("syncbn", "sgd", 3),
 ]
@@ -243,6 +253,10 @@ def _case_accumulation(info) -> dict:
     out = {
         f"{s}": _train_against_ddp("wide", "adamw", s, info.rank, micro=MICRO_STEPS) for s in (2, 3)
     }
+    for s in (2, 3):
+        out[f"{s}-branch"] = _train_against_ddp(
+            "branch_unit", "adamw", s, info.rank, micro=MICRO_STEPS
+        )
     for s in (2, 3):
         out[f"{s}-synced"] = _train_against_ddp(
             "tanh", "sgd", s, info.rank, micro=MICRO_STEPS, synced=True
@@ -281,19 +295,26 @@ def _case_one_step_ws3(info) -> dict:
     float64 mean of every rank's local gradient, in ulps of mean_r |g_r|."""
     torch.manual_seed(1234)
     out = {}
-    for name in ("wide", "lenet", "tied", "channels_last"):
+    for name in ("wide", "lenet", "tied", "channels_last", "branch_unit"):
         base = MODELS[name][0]()
         ddp, ours = _wrap(name, base, 0, info.rank), _wrap(name, base, 3, info.rank)
         plain = copy.deepcopy(base)
         for model in (ddp, ours, plain):
             x, y = toy_models.batch(MODELS[name][1], 0, info.rank)
             toy_models.loss_of(MODELS[name][1], model, x, y, info.rank).backward()
-        local = {n: p.grad for n, p in plain.named_parameters()}
+        # A branch this rank skipped counts as zero in the mean.
+        local = {
+            n: torch.zeros_like(p) if p.grad is None else p.grad
+            for n, p in plain.named_parameters()
+        }
         ddp_grads = {n: p.grad for n, p in ddp.module.named_parameters()}
         worst = {"exact": 0.0, "ddp": 0.0}
         for unit in ours.units:
             for j, shard in enumerate(unit.shards):
                 n, (_, a, b, _) = unit.names[j], unit.pieces[j]
+                if shard.grad is None:  # no rank used it: None, as under the DDP wrapper
+                    assert ddp_grads[n] is None, (name, n)
+                    continue
                 mine = in_memory_order(local[n], unit.strides[j]).double()
                 everyone = [torch.empty_like(mine) for _ in range(info.world_size)]
                 dist.all_gather(everyone, mine)
@@ -348,8 +369,9 @@ def _case_memory(info) -> dict:
 
 def _case_gathered(info) -> dict:
     """Bytes each unit of the size-policy _Wide holds gathered after a training forward, after
-    its backward, after a forward under no_grad, after the whole states are read and inside
-    and after summon_full_params, for ZeRO-2 and ZeRO-3."""
+    its backward, after a forward under no_grad, after the whole states are read, inside
+    summon_full_params (before and after a forward there) and after it, for ZeRO-2 and
+    ZeRO-3."""
     out = {}
     for stage in (2, 3):
         torch.manual_seed(0)
@@ -373,6 +395,9 @@ def _case_gathered(info) -> dict:
         seen["after_optim_state_dict"] = _gathered_bytes(model)
         with model.summon_full_params():
             seen["summoned"] = _gathered_bytes(model)
+            with torch.no_grad():
+                model(x)
+            seen["summoned_after_forward"] = _gathered_bytes(model)
         seen["after_summon"] = _gathered_bytes(model)
         out[stage] = seen
     return out
@@ -481,18 +506,22 @@ def test_gradient_norms_and_clipping_equal_the_ddp_wrappers(world, world_size, c
 
 def test_unused_and_frozen_parameters_keep_grad_none(world):
     """A layer no rank uses and a frozen one have grad None; the branch only rank 1 takes does
-    get a gradient on both ranks (its mean)."""
+    get a gradient on both ranks (its mean), in the root unit or a unit of its own."""
     for r in worlds.outcome(world(2), "equal_to_ddp"):
         assert r["branch-sgd-3"]["nones"][1] == ["never_used.weight", "never_used.bias"]
+        assert r["branch_unit-sgd-3"]["nones"][1] == ["never_used.weight", "never_used.bias"]
         assert r["frozen-sgd-2"]["nones"][1] == ["frozen.weight", "frozen.bias"]
 
 
-@pytest.mark.parametrize("stage", ["2", "3"])
-def test_gradient_accumulation_under_no_sync_is_bitwise_equal_to_ddp(world, stage):
-    """Three micro-batches (two under no_sync) per step, 12 AdamW steps: bitwise equal."""
+@pytest.mark.parametrize("case", ["2", "3", "2-branch", "3-branch"])
+def test_gradient_accumulation_under_no_sync_is_bitwise_equal_to_ddp(world, case):
+    """Three micro-batches (two under no_sync) per step, 12 AdamW steps: bitwise equal, also
+    with a branch unit that only rank 1's micro-batches run (its whole gradient accumulates
+    there, rank 0 only pairs its gathers)."""
     for rank, r in enumerate(worlds.outcome(world(2), "accumulation")):
-        assert all(r[stage]["steps_equal"]), (rank, r[stage]["max_diff"])
-        assert r[stage]["state_diff"] == 0.0
+        assert all(r[case]["steps_equal"]), (rank, r[case]["max_diff"])
+        assert all(r[case]["none_equal"]), (rank, r[case]["nones"])
+        assert r[case]["state_diff"] == 0.0
 
 
 @pytest.mark.parametrize("stage", ["2", "3"])
@@ -589,7 +618,8 @@ def test_zero3_frees_units_between_forward_and_backward(world, world_size):
     """Between a training forward and its backward ZeRO-3 holds only the root unit gathered
     (its backward runs first) and ZeRO-2 every unit, each at its whole (padded) size; after the
     backward, a forward under no_grad, state_dict(), optim_state_dict() and summon_full_params
-    (inside which every unit is whole), no unit holds gathered parameters."""
+    (inside which every unit is whole, a forward there included), no unit holds gathered
+    parameters."""
     whole = _unit_bytes(world_size)
     none = dict.fromkeys(whole, 0)
     root_only = {**none, "": whole[""]}
@@ -597,6 +627,7 @@ def test_zero3_frees_units_between_forward_and_backward(world, world_size):
         assert r[3]["after_forward"] == root_only, (rank, r[3]["after_forward"], whole)
         assert r[2]["after_forward"] == whole, (rank, r[2]["after_forward"], whole)
         for stage in (2, 3):
-            assert r[stage]["summoned"] == whole, (rank, stage, r[stage]["summoned"])
+            for when in ("summoned", "summoned_after_forward"):
+                assert r[stage][when] == whole, (rank, stage, when, r[stage][when])
             for when in ("backward", "eval", "state_dict", "optim_state_dict", "summon"):
                 assert r[stage][f"after_{when}"] == none, (rank, stage, when, r[stage])

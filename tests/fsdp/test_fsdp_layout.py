@@ -1,4 +1,5 @@
-"""Units and their flat layout, without processes: every element in one shard, cuts aligned."""
+"""Units, their flat layout and their gather order, without processes: every element in one
+shard, cuts aligned."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from torch import nn
 
 from ddptrain.fsdp.layout import ALIGN, choose_units, flat_layout, group_parameters
+from ddptrain.fsdp.passes import forward_order
 from support import toy_models
 
 MLP_NUMELS = [784 * 2240, 2240] + [2240 * 2240, 2240] * 3 + [22400, 10]  # the bench MLP
@@ -110,3 +112,21 @@ def test_every_parameter_goes_to_its_innermost_unit():
         "fc2.bias",
     ]
     assert all(isinstance(ref.param, torch.Tensor) for group in groups for ref in group)
+
+
+@pytest.mark.parametrize(
+    "ran, count, expected",
+    [
+        ([0, 1, 2], 3, [0, 1, 2]),
+        ([0, 1], 4, [0, 1, 2, 3]),
+        ([0, 2, 1], 4, [0, 2, 3, 1]),
+        ([2, 1], 3, [0, 2, 1]),
+        ([], 2, [0, 1]),
+    ],
+)
+def test_the_gather_schedule_keeps_the_forwards_order_and_places_skipped_units(
+    ran, count, expected
+):
+    """forward_order: the units a forward ran keep its order, each unit it skipped comes right
+    after the unit before it in module order (unit 0 first), every unit exactly once."""
+    assert forward_order(ran, count) == expected

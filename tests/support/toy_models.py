@@ -61,6 +61,20 @@ class BranchNet(nn.Module):
         return F.log_softmax(self.head(h), dim=1)
 
 
+class SwappedNet(nn.Module):
+    """Two layers that some ranks run in the other order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(12, 12)
+        self.second = nn.Linear(12, 12)
+        self.head = nn.Linear(12, 10)
+
+    def forward(self, x: torch.Tensor, swap: bool) -> torch.Tensor:
+        a, b = (self.second, self.first) if swap else (self.first, self.second)
+        return F.log_softmax(self.head(torch.tanh(b(torch.tanh(a(x))))), dim=1)
+
+
 class FrozenNet(nn.Module):
     """A frozen first layer (requires_grad=False) in front of trainable ones."""
 
@@ -96,6 +110,7 @@ def make(name: str) -> nn.Module:
         "batchnorm": BatchNormNet,
         "tied": TiedNet,
         "branch": BranchNet,
+        "swapped": SwappedNet,
         "frozen": FrozenNet,
         "tanh": TanhMLP,
     }[name]()
@@ -115,9 +130,12 @@ def batch(name: str, step: int, rank: int, size: int = 8) -> tuple[torch.Tensor,
 
 
 def loss_of(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, rank: int):
-    """Mean NLL loss of `model` on one batch; the branch model uses its branch on odd ranks."""
+    """Mean NLL loss of `model` on one batch; the branch model uses its branch on odd ranks,
+    the swapped one swaps its layers there."""
     if name == "branch":
         out = model(x, use_branch=rank % 2 == 1)
+    elif name == "swapped":
+        out = model(x, swap=rank % 2 == 1)
     else:
         out = model(x)
     return F.nll_loss(out.reshape(-1, out.shape[-1]), y.reshape(-1))

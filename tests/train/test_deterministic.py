@@ -19,9 +19,10 @@ from torch.utils.data import TensorDataset
 
 import ddptrain
 from ddptrain.data import MicroBatchSampler
+from ddptrain.ddp.exact import exact_norm
 from ddptrain.models import LeNet
 from ddptrain.train.config import ConfigError, TrainerConfig
-from ddptrain.train.gradients import NonFiniteError
+from ddptrain.train.gradients import NonFiniteError, grad_norm
 from ddptrain.train.trainer import Trainer
 from support import worlds
 from support.doc_blocks import python_block
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.timeout(WORLD_TIMEOUT_S + 60)
 
 # 12 micro-batches a step: world sizes 1, 2, 3, 4 (and 6, 12) share them evenly.
 GLOBAL, MICRO, STEPS = 24, 2, 3
+# Below TiedBranchNet's gradient norms (about 2-3): every step clips.
+CLIP_NORM = 0.5
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:
@@ -69,9 +72,12 @@ def _data(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 20, (n, 6), generator=g), torch.randint(0, 20, (n, 6), generator=g)
 
 
-def _loop(info, kind: str, stage: int = 0, deterministic: bool = True) -> dict:
+def _loop(
+    info, kind: str, stage: int = 0, deterministic: bool = True, max_norm: float | None = None
+) -> dict:
     """The user's own loop: micro-batch k of a step is the same samples at any world size;
-    one backward each under no_sync(), the last synchronized."""
+    one backward each under no_sync(), the last synchronized; with max_norm, the gradients
+    clipped to it before each step (as the Trainer clips them)."""
     torch.manual_seed(0)
     net = LeNet(dropout=0.3, width=1, batchnorm=True) if kind == "lenet" else TiedBranchNet()
     if stage >= 2:
@@ -87,6 +93,7 @@ def _loop(info, kind: str, stage: int = 0, deterministic: bool = True) -> dict:
     x, y = _data(kind)
     world_size, rank = info.world_size, info.rank
     rounds = GLOBAL // (MICRO * world_size)
+    norms = []
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         for j in range(rounds):
@@ -96,6 +103,8 @@ def _loop(info, kind: str, stage: int = 0, deterministic: bool = True) -> dict:
                 out = model(xb)
                 loss = F.nll_loss(out.reshape(-1, out.shape[-1]), yb.reshape(-1))
                 (loss if deterministic else loss / rounds).backward()
+        if max_norm is not None:
+            norms.append(grad_norm(model, max_norm).item())
         opt.step()
     if stage >= 2:
         state, optim = model.state_dict(), model.optim_state_dict(opt)
@@ -110,6 +119,7 @@ def _loop(info, kind: str, stage: int = 0, deterministic: bool = True) -> dict:
         "model": _digest([state[k] for k in sorted(state)]),
         "never_used_grad": None if kind == "lenet" or stage >= 2 else net.never_used.weight.grad,
         "grads": len(grads),
+        "norms": norms,
     }
 
 
@@ -127,6 +137,36 @@ def _case_float_sums(info) -> dict:
 
 def _case_stages(info) -> dict:
     return {stage: _loop(info, "lenet", stage=stage) for stage in (1, 2, 3)}
+
+
+def _case_tied_stages(info) -> dict:
+    """ZeRO-2 and ZeRO-3 with units of 100 elements: the branch and the unused layer are units
+    of their own, which some ranks' micro-batches skip."""
+    return {stage: _loop(info, "tied", stage=stage) for stage in (2, 3)}
+
+
+def _case_tied_clipped(info) -> dict:
+    """The DDP wrapper and ZeRO-3 clipping, and the bound on the gradient's elements each gives
+    the exact norm (it sets the norm's grid)."""
+    from ddptrain.fsdp import state as fsdp_state
+    from ddptrain.train import gradients
+
+    bounds: dict[int, list] = {0: [], 3: []}
+    stage = 0
+
+    def recording(grads, *args, **kwargs):
+        bounds[stage].append(kwargs.get("numel"))
+        return exact_norm(grads, *args, **kwargs)
+
+    out = {}
+    gradients.exact_norm = fsdp_state.exact_norm = recording
+    try:
+        for stage in (0, 3):
+            out[stage] = _loop(info, "tied", stage=stage, max_norm=CLIP_NORM)
+    finally:
+        gradients.exact_norm = fsdp_state.exact_norm = exact_norm
+    numel = sum(p.numel() for p in TiedBranchNet().parameters())
+    return {**out, "bounds": bounds, "numel": numel}
 
 
 def _case_guide_loop(info) -> str:
@@ -162,12 +202,14 @@ CASES = {
     "tied_branch": _case_tied_branch,
     "float_sums": _case_float_sums,
     "stages": _case_stages,
+    "tied_stages": _case_tied_stages,
+    "tied_clipped": _case_tied_clipped,
 }
 BY_WORLD = {
     1: list(CASES),
-    2: ["lenet", "tied_branch"],
+    2: ["lenet", "tied_branch", "tied_stages"],
     3: list(CASES),
-    4: ["lenet", "tied_branch", "guide_loop"],
+    4: ["lenet", "tied_branch", "guide_loop", "tied_stages"],
 }
 world = worlds.fixture(CASES, BY_WORLD, timeout_s=WORLD_TIMEOUT_S)
 
@@ -208,6 +250,31 @@ def test_zero_stages_1_2_3_end_on_the_ddp_wrappers_bits(world):
     for ws in (1, 3):
         for stage in (1, 2, 3):
             assert {r[stage]["model"] for r in worlds.outcome(world(ws), "stages")} == {ddp}
+
+
+def test_zero_2_and_3_with_a_branch_some_ranks_skip_end_on_the_ddp_wrappers_bits(world):
+    """TiedBranchNet with its branch (taken by some micro-batches) and its unused layer each a
+    unit of their own: ZeRO-2 and ZeRO-3 in deterministic mode end on the DDP wrapper's
+    parameters, buffers and AdamW state, bitwise, at world sizes 1 to 4."""
+    ddp = worlds.outcome(world(1), "tied_branch")[0]["state"]
+    for ws in (1, 2, 3, 4):
+        for stage in (2, 3):
+            assert {r[stage]["state"] for r in worlds.outcome(world(ws), "tied_stages")} == {ddp}
+
+
+def test_clipped_norms_of_zero_3_equal_the_ddp_wrappers_with_a_layer_no_rank_uses(world):
+    """Trainer-style clipping (train.gradients.grad_norm) in deterministic mode on a model with
+    a layer no rank uses: the DDP wrapper and ZeRO-3 at world sizes 1 and 3 give the same norm
+    bits every step and end on the same bits, both bounding the norm's terms by the whole
+    model's elements, the unused layer's included (the same grid whatever the gradients)."""
+    ddp = worlds.outcome(world(1), "tied_clipped")[0][0]
+    assert all(n > CLIP_NORM for n in ddp["norms"]), ddp["norms"]
+    for ws in (1, 3):
+        for r in worlds.outcome(world(ws), "tied_clipped"):
+            for stage in (0, 3):
+                assert r[stage]["norms"] == ddp["norms"], (ws, stage, r[stage]["norms"])
+                assert r[stage]["state"] == ddp["state"], (ws, stage)
+                assert r["bounds"][stage] == [r["numel"]] * STEPS, (ws, stage, r["bounds"])
 
 
 # ------------------------------------------------------------------------------ the Trainer
