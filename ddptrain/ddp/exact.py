@@ -137,6 +137,60 @@ def add_fixed_float(
     return peak
 
 
+def add_fixed_floats(
+    accs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    shifts: list[int],
+    rooms: list[float],
+    firsts: list[bool],
+    *,
+    last: bool = False,
+) -> list[float | None]:
+    """add_fixed_float on many tensors at once, the same integers bitwise: one torch call per
+    operation for all the small ones instead of several per tensor, which is what a small
+    tensor's conversion costs (a large one goes by pieces, as add_fixed_float does it). Per
+    tensor: its peak, or None (acc and grad left as they were)."""
+    peaks: list[float | None] = [None] * len(grads)
+    todo = []
+    for i, (grad, shift) in enumerate(zip(grads, shifts, strict=True)):
+        if grad.numel() > _PIECE:
+            peaks[i] = add_fixed_float(accs[i], grad, shift, rooms[i], first=firsts[i], last=last)
+        elif grad.dtype in (torch.float32, torch.float64) and -126 <= shift <= 127:
+            if grad.numel():
+                todo.append(i)
+            else:
+                peaks[i] = 0.0
+    if not todo:
+        return peaks
+    detached = [grads[i].detach() for i in todo]
+    # |x|'s largest is max(-min, max), and NaN stays NaN.
+    largest = torch.stack(torch._foreach_max(torch._foreach_abs(detached))).tolist()
+    taken: list[int] = []
+    for i, top in zip(todo, largest, strict=True):
+        peak = math.ldexp(top, shifts[i])
+        # Written so that NaN fails it.
+        if peak <= rooms[i] and peak <= math.ldexp(term_bound(shifts[i]), shifts[i]):
+            peaks[i] = peak
+            taken.append(i)
+    if not taken:
+        return peaks
+    scaled = {i: grads[i].detach() for i in taken}
+    # A float32 times a power of two it can hold is exact; round half to even.
+    torch._foreach_mul_(list(scaled.values()), [math.ldexp(1.0, shifts[i]) for i in taken])
+    torch._foreach_round_(list(scaled.values()))
+    copied = [i for i in taken if firsts[i]]
+    added = [i for i in taken if not firsts[i]]
+    if copied:
+        torch._foreach_copy_([accs[i] for i in copied], [scaled[i] for i in copied])
+    if added:
+        torch._foreach_add_([accs[i] for i in added], [scaled[i] for i in added])
+    if last:
+        targets = [accs[i] for i in taken]
+        # Same-size elements: each is read before it is overwritten in place.
+        torch._foreach_copy_([t.view(torch.int64) for t in targets], targets)
+    return peaks
+
+
 def float_to_fixed(acc: torch.Tensor) -> torch.Tensor:
     """The int64 view of a float64 accumulator of integers (each |value| <= FLOAT_EXACT),
     converted in place."""
@@ -164,6 +218,21 @@ def mean_from_fixed(acc: torch.Tensor, shift: int, count: int, out: torch.Tensor
             result.append(p.to(out.dtype))
     if flat_out is None:
         out.copy_(torch.cat(result).view(out.shape) if result else out)
+
+
+def means_from_fixed(
+    accs: list[torch.Tensor], shifts: list[int], count: int, outs: list[torch.Tensor]
+) -> None:
+    """mean_from_fixed for many accumulators at once, the same bits, converting each in place
+    into float64 (no scratch: the accumulators are spent); accs and outs of the same shapes."""
+    if not accs:
+        return
+    floats = [acc.view(torch.float64) for acc in accs]
+    # Same-size elements: each is read before it is overwritten in place.
+    torch._foreach_copy_(floats, accs)
+    torch._foreach_mul_(floats, [math.ldexp(1.0, -shift) for shift in shifts])
+    torch._foreach_div_(floats, count)
+    torch._foreach_copy_(outs, floats)
 
 
 def exact_norm(
