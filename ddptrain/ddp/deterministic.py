@@ -38,6 +38,9 @@ from ddptrain.ddp.reducer import Reducer, refuse_create_graph, span
 # bucket is full), then go in one call per operation: a small tensor's conversion costs its
 # calls, not its bytes, and a model of many small tensors pays that per micro-batch.
 _WAITING_NUMEL = 1 << 18
+# The BatchNorm statistics of a step travel in the last bucket's tail up to this many elements
+# (count * record_numel), summed with the gradients; more go by an all_gather of their own.
+_RECORDS_NUMEL = 1 << 18
 
 
 class ExactReducer(Reducer):
@@ -56,7 +59,8 @@ class ExactReducer(Reducer):
     - Its BatchNorm layers update their running statistics from where the step began; the
       step's statistics are the mean of the micro-batches' results, in the order of k.
     - The last bucket's tail sums the used flags, the micro-batch count (the mean's divisor),
-      overflows and the carried value: still one reduction per bucket.
+      overflows, the carried value and, from the second step, the BatchNorm statistics (each
+      rank's in its own place, zero elsewhere): still one reduction per bucket.
     """
 
     bucket_dtype = torch.int64
@@ -81,6 +85,10 @@ class ExactReducer(Reducer):
         # integers (add_fixed_float), None once it holds int64 (always on an accelerator).
         self._float_sums: list[float | None] = []
         self._reset_float_sums()
+        # Elements after the tail's values for the statistics (sized by the first step), and
+        # whether this rank's did not fit there this step.
+        self._records_room = 0
+        self._records_missing = 0
 
     def _reset_float_sums(self) -> None:
         """A new step: every slot is written by its first term, in float64 on a CPU."""
@@ -110,7 +118,17 @@ class ExactReducer(Reducer):
         super().use_hook(state, hook)
 
     def _tail_values(self) -> list[int]:
-        return [*self.used, self.micro_batches, int(self._overflows), self._carry_value]
+        overflows = int(self._overflows)
+        return [*self.used, self.micro_batches, overflows, self._records_missing, self._carry_value]
+
+    def _tail_numel(self) -> int:
+        return len(self._tail_values()) + self._records_room
+
+    def _fill_tail(self) -> None:
+        if self._records_room:
+            region = self._tail[self._tail.numel() - self._records_room :]
+            self._records_missing = int(not self.forwards.write_records(region))
+        super()._fill_tail()
 
     def claim_slot(self, param: torch.Tensor) -> None:
         return None  # slots are integers: autograd never writes a gradient there
@@ -262,9 +280,14 @@ class ExactReducer(Reducer):
                 with span("ddptrain.wait bucket", b):
                     bucket.wait()
             self.last_comm_wait_s = time.perf_counter() - started
-            *flags, count, overflows, carried = self._tail.tolist()
+            values = self._tail[: len(self._tail_values())].tolist()
+            *flags, count, overflows, missing, carried = values
             self._carry_value, self.carried = 0, carried
-            self.forwards.combine(count)
+            records = count * self.forwards.record_numel
+            gathered = None
+            if records and not missing and records <= self._records_room:
+                gathered = self._tail[len(values) :][:records].view(torch.float64)
+            self.forwards.combine(count, gathered)
             self.overflowed = bool(overflows) or count > 2**COUNT_BITS
             used = [i for i, flag in enumerate(flags) if flag]
             for i in used:
@@ -279,6 +302,10 @@ class ExactReducer(Reducer):
                 means_from_fixed(views, shifts, count, grads)
             if self._ready_order is not None:
                 self._rebuild_in_ready_order()
+            if self._records_room < records <= _RECORDS_NUMEL:
+                # Every rank decides alike, from sums: the buckets (a collective) grow by it.
+                self._records_room = records
+                self._build_buckets(self.bucket_order)
         except BaseException:
             self._runner.close()
             raise
@@ -288,4 +315,4 @@ class ExactReducer(Reducer):
             self._waiting, self._waiting_numel = [], 0
             self._overflows = torch.zeros((), dtype=torch.int64)
             self._reset_float_sums()
-            self.micro_batches = 0
+            self.micro_batches, self._records_missing = 0, 0
