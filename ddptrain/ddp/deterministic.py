@@ -28,6 +28,7 @@ from ddptrain.ddp.exact import (
     add_fixed_floats,
     fixed_point_shift,
     float_to_fixed,
+    largest_magnitudes,
     means_from_fixed,
 )
 from ddptrain.ddp.hooks import CommHook, Transport, global_rank, transport_hook
@@ -226,12 +227,10 @@ class ExactReducer(Reducer):
                 self._wait(i, p.grad)
                 p.grad = None
         if self.forwards.rank == 0:
-            held = [(i, g.detach()) for i, g in self._waiting if g.numel()]
+            held = [(i, g) for i, g in self._waiting if g.numel()]
             if held:
-                # |x|'s largest is max(-min, max), and NaN stays NaN.
-                tops = torch._foreach_max(torch._foreach_abs([g for _, g in held]))
                 where = torch.tensor([i for i, _ in held], device=device)
-                peaks[where] = torch.stack(tops).double()
+                peaks[where] = largest_magnitudes([g for _, g in held])
         work = None
         if self.world_size > 1:
             root = global_rank(self.process_group, 0)

@@ -137,6 +137,22 @@ def add_fixed_float(
     return peak
 
 
+def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """max |x| of each tensor (none empty) as one float64 tensor, NaN where one holds a NaN:
+    the small ones in one call per operation, a large one in one pass, with no copy of it."""
+    tops: list[torch.Tensor | None] = [None] * len(tensors)
+    small = [i for i, t in enumerate(tensors) if t.numel() <= _PIECE]
+    for i, t in enumerate(tensors):
+        if t.numel() > _PIECE:
+            lo, hi = torch.aminmax(t.detach())
+            tops[i] = torch.maximum(-lo, hi)
+    if small:
+        found = torch._foreach_max(torch._foreach_abs([tensors[i].detach() for i in small]))
+        for i, top in zip(small, found, strict=True):
+            tops[i] = top
+    return torch.stack([top.double() for top in tops])
+
+
 def add_fixed_floats(
     accs: list[torch.Tensor],
     grads: list[torch.Tensor],
@@ -162,9 +178,7 @@ def add_fixed_floats(
                 peaks[i] = 0.0
     if not todo:
         return peaks
-    detached = [grads[i].detach() for i in todo]
-    # |x|'s largest is max(-min, max), and NaN stays NaN.
-    largest = torch.stack(torch._foreach_max(torch._foreach_abs(detached))).tolist()
+    largest = largest_magnitudes([grads[i] for i in todo]).tolist()
     taken: list[int] = []
     for i, top in zip(todo, largest, strict=True):
         peak = math.ldexp(top, shifts[i])
@@ -223,12 +237,25 @@ def mean_from_fixed(acc: torch.Tensor, shift: int, count: int, out: torch.Tensor
 def means_from_fixed(
     accs: list[torch.Tensor], shifts: list[int], count: int, outs: list[torch.Tensor]
 ) -> None:
-    """mean_from_fixed for many accumulators at once, the same bits, converting each in place
-    into float64 (no scratch: the accumulators are spent); accs and outs of the same shapes."""
-    if not accs:
+    """mean_from_fixed for many accumulators at once, the same bits, each converted in place
+    into float64 (no scratch: the accumulators are spent); accs and outs of the same shapes.
+    The small ones go in one call per operation, a large one by pieces that stay in cache."""
+    small = []
+    for acc, shift, out in zip(accs, shifts, outs, strict=True):
+        if acc.numel() <= _PIECE or acc.stride() != out.stride():
+            small.append((acc, shift, out))
+            continue
+        source, target = memory_order(acc), memory_order(out)
+        floats = source.view(torch.float64)
+        for start in range(0, source.numel(), _PIECE):
+            piece = floats[start : start + _PIECE]
+            # Same-size elements: each is read before it is overwritten in place.
+            piece.copy_(source[start : start + _PIECE]).mul_(math.ldexp(1.0, -shift))
+            target[start : start + _PIECE].copy_(piece.div_(count))
+    if not small:
         return
+    accs, shifts, outs = (list(column) for column in zip(*small, strict=True))
     floats = [acc.view(torch.float64) for acc in accs]
-    # Same-size elements: each is read before it is overwritten in place.
     torch._foreach_copy_(floats, accs)
     torch._foreach_mul_(floats, [math.ldexp(1.0, -shift) for shift in shifts])
     torch._foreach_div_(floats, count)
