@@ -100,13 +100,12 @@ class MicroBatchForwards:
             if self._step_start is None:
                 self._step_start = [t.clone() for t in self._norm_tensors()]
             else:
-                for t, start in zip(self._norm_tensors(), self._step_start, strict=True):
-                    t.copy_(start)
+                torch._foreach_copy_(self._norm_tensors(), self._step_start)
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._norms and module.training and torch.is_grad_enabled():
-            stats = [t.detach().reshape(-1).double() for t in self._norm_tensors(counts=False)]
-            self._records.append(torch.cat(stats))
+            stats = [t.detach().reshape(-1) for t in self._norm_tensors(counts=False)]
+            self._records.append(torch.cat(stats).double())
 
     @property
     def record_numel(self) -> int:
