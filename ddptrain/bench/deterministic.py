@@ -16,7 +16,11 @@ no_sync(), then an SGD step; both modes see the same data. One thread per rank.
   rank's RSS follows its live tensors); "train peak" is a rank's peak RSS over --memory-steps
   steps above its RSS before the model was built, less the library code paged in meanwhile
   (file-backed pages: each mode runs kernels the other does not), the worst rank; "extra" is
-  the difference in gradient-sized copies (the model's parameter bytes).
+  the difference in gradient-sized copies (the model's parameter bytes). RSS also counts the
+  pages of other ranks' shared-memory buckets this rank sums, and the allocator's rounding,
+  which blur a small model's figure; "held" counts bytes exactly: the wrapper's buckets (this
+  rank's row) plus the .grad tensors that are not views of them, after the last step, the
+  deterministic mode's excess in gradient-sized copies.
 Writes <out>/deterministic.json.
 """
 
@@ -92,6 +96,18 @@ def _time_worker(name: str, args: argparse.Namespace) -> dict[str, list[float]]:
     return times
 
 
+def held_bytes(model: ddptrain.DDP) -> int:
+    """Bytes the wrapper holds between steps: its buckets (this rank's row of a shared one) and
+    the .grad tensors that are not views of them."""
+    flats = [b.flat for b in model.reducer.buckets]
+    storages = {f.untyped_storage().data_ptr() for f in flats}
+    held = sum(f.numel() * f.element_size() for f in flats)
+    for p in model.parameters():
+        if p.grad is not None and p.grad.untyped_storage().data_ptr() not in storages:
+            held += p.grad.numel() * p.grad.element_size()
+    return held
+
+
 def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, int]:
     freed_at_once = return_freed_memory()
     torch.set_num_threads(1)
@@ -110,6 +126,7 @@ def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, 
     code = status_field("RssFile") - code_before
     return {
         "train_peak_bytes": status_field("VmHWM") - before_model - code if reset else 0,
+        "held_bytes": held_bytes(model),
         "grad_bytes": grad_bytes,
         "freed_at_once": freed_at_once,
     }
@@ -130,6 +147,7 @@ def summarize(
             )
             ranks = memory[name][world_size]
             peak = {m: max(r["train_peak_bytes"] for r in ranks[m]) for m in MODES}
+            held = {m: max(r["held_bytes"] for r in ranks[m]) for m in MODES}
             grad_bytes = ranks["default"][0]["grad_bytes"]
             rows.append(
                 {
@@ -144,6 +162,10 @@ def summarize(
                     "default_train_peak_bytes": peak["default"],
                     "deterministic_train_peak_bytes": peak["deterministic"],
                     "extra_grad_copies": (peak["deterministic"] - peak["default"]) / grad_bytes,
+                    "default_held_bytes": held["default"],
+                    "deterministic_held_bytes": held["deterministic"],
+                    "extra_held_grad_copies": (held["deterministic"] - held["default"])
+                    / grad_bytes,
                 }
             )
     return {"settings": settings, "rows": rows}
@@ -153,7 +175,8 @@ def format_table(result: dict[str, Any]) -> str:
     """The table printed at the end of a run."""
     lines = [
         f"{'model':<13} {'ws':>2} {'mb/rank':>7} {'default ms':>10} {'determ. ms':>10} "
-        f"{'ratio':>6} {'grad MiB':>8} {'peak default':>12} {'peak determ.':>12} {'extra':>6}"
+        f"{'ratio':>6} {'grad MiB':>8} {'peak default':>12} {'peak determ.':>12} {'extra':>6} "
+        f"{'held':>6}"
     ]
     for r in result["rows"]:
         lines.append(
@@ -161,11 +184,12 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['default_ms']:>10.2f} {r['deterministic_ms']:>10.2f} {r['ratio']:>5.3f}x "
             f"{r['grad_bytes'] / _MIB:>8.2f} {r['default_train_peak_bytes'] / _MIB:>12.2f} "
             f"{r['deterministic_train_peak_bytes'] / _MIB:>12.2f} "
-            f"{r['extra_grad_copies']:>+6.2f}"
+            f"{r['extra_grad_copies']:>+6.2f} {r['extra_held_grad_copies']:>+6.2f}"
         )
     lines.append(
         "ratio: median of per-round deterministic/default step times; peaks in MiB (worst "
-        "rank); extra: the deterministic peak's excess in gradient-sized copies"
+        "rank); extra: the deterministic peak's excess in gradient-sized copies; held: the "
+        "excess of the wrapper's buckets and separate .grad tensors, in gradient-sized copies"
     )
     return "\n".join(lines)
 
