@@ -150,7 +150,7 @@ def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
         found = torch._foreach_max(torch._foreach_abs([tensors[i].detach() for i in small]))
         for i, top in zip(small, found, strict=True):
             tops[i] = top
-    return torch.stack([top.double() for top in tops])
+    return torch.stack(tops).double()
 
 
 def add_fixed_floats(
