@@ -237,11 +237,16 @@ def mean_from_fixed(acc: torch.Tensor, shift: int, count: int, out: torch.Tensor
 def means_from_fixed(
     accs: list[torch.Tensor], shifts: list[int], count: int, outs: list[torch.Tensor]
 ) -> None:
-    """mean_from_fixed for many accumulators at once, the same bits, each converted in place
-    into float64 (no scratch: the accumulators are spent); accs and outs of the same shapes.
-    The small ones go in one call per operation, a large one by pieces that stay in cache."""
+    """mean_from_fixed for many accumulators at once, the same bits; accs and outs of the same
+    shapes. On a CPU each is converted in place into float64 (no scratch: the accumulators are
+    spent), the small ones in one call per operation, a large one by pieces that stay in
+    cache; elsewhere each goes through mean_from_fixed."""
     small = []
     for acc, shift, out in zip(accs, shifts, outs, strict=True):
+        if acc.device.type != "cpu":
+            # Aliased in-place conversions are a CPU saving, not tried on accelerators.
+            mean_from_fixed(acc, shift, count, out)
+            continue
         if acc.numel() <= _PIECE or acc.stride() != out.stride():
             small.append((acc, shift, out))
             continue
