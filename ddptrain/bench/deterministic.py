@@ -11,7 +11,9 @@ no_sync(), then an SGD step; both modes see the same data. One thread per rank.
 - Step time: one world per model and world size holds both modes, which take turns (the order
   alternates every round), so machine noise hits them alike; a turn is --block steps after one
   barrier, timed as the slowest rank's. "ratio" is the median of each round's own
-  deterministic / default ratio.
+  deterministic / default ratio. glibc keeps freed memory (fixed thresholds, as the step
+  bench): with its adaptive ones, page faults of the model's own buffers land on one mode or
+  the other by allocation history, milliseconds a step (--stock-malloc keeps them).
 - Memory: one fresh world per mode, glibc returning every freed block over 64 KiB at once (so a
   rank's RSS follows its live tensors); "train peak" is a rank's peak RSS over --memory-steps
   steps above its RSS before the model was built, less the library code paged in meanwhile
@@ -40,7 +42,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ddptrain
-from ddptrain.bench.memory import reset_peak_rss, return_freed_memory, status_field
+from ddptrain.bench.memory import (
+    keep_freed_memory,
+    reset_peak_rss,
+    return_freed_memory,
+    status_field,
+)
 from ddptrain.bench.models import MODELS
 from ddptrain.bench.report import machine
 
@@ -76,7 +83,8 @@ def _wrap(name: str, mode: str) -> tuple[ddptrain.DDP, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
-def _time_worker(name: str, args: argparse.Namespace) -> dict[str, list[float]]:
+def _time_worker(name: str, args: argparse.Namespace) -> tuple[dict[str, list[float]], bool]:
+    malloc_fixed = not args.stock_malloc and keep_freed_memory()
     torch.set_num_threads(1)
     info = ddptrain.init_distributed()
     batches = _batches(name, args, info.rank, info.world_size)
@@ -93,7 +101,7 @@ def _time_worker(name: str, args: argparse.Namespace) -> dict[str, list[float]]:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if round_ >= args.warmup:
                 times[mode].append(elapsed.item())
-    return times
+    return times, malloc_fixed
 
 
 def held_bytes(model: ddptrain.DDP) -> int:
@@ -211,6 +219,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--block", type=int, default=3, help="steps per timed turn")
     p.add_argument("--memory-steps", type=int, default=3)
+    p.add_argument(
+        "--stock-malloc", action="store_true", help="time with glibc's adaptive thresholds"
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--timeout-s", type=float, default=1800.0)
@@ -238,13 +249,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measure, print the table, write deterministic.json; return the result."""
     args = parse_args(argv)
     load_before = os.getloadavg()[0]
-    times, memory = {}, {}
+    times, memory, malloc_fixed = {}, {}, []
     for name in args.models:
         times[name], memory[name] = {}, {}
         for w in args.world_sizes:
-            times[name][w] = ddptrain.spawn(_time_worker, w, name, args, timeout_s=args.timeout_s)[
-                0
-            ]
+            ranks = ddptrain.spawn(_time_worker, w, name, args, timeout_s=args.timeout_s)
+            times[name][w] = ranks[0][0]
+            malloc_fixed += [fixed for _, fixed in ranks]
             memory[name][w] = {
                 mode: ddptrain.spawn(_memory_worker, w, name, mode, args, timeout_s=args.timeout_s)
                 for mode in MODES
@@ -256,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "block": args.block,
         "optimizer": "SGD(lr=0.01, momentum=0.9)",
         "threads_per_rank": 1,
+        "malloc_fixed_thresholds": all(malloc_fixed),
         "machine": machine(),
         "load_avg_1m_before": load_before,
         "load_avg_1m_after": os.getloadavg()[0],
