@@ -241,12 +241,16 @@ def means_from_fixed(
     shapes. On a CPU each is converted in place into float64 (no scratch: the accumulators are
     spent), the small ones in one call per operation, a large one by pieces that stay in
     cache; elsewhere each goes through mean_from_fixed."""
+    # Dividing by a power of two is exact: it joins the scaling, one pass fewer.
+    power_of_two = count > 0 and count & (count - 1) == 0
+    divisor, extra = (1, count.bit_length() - 1) if power_of_two else (count, 0)
     small = []
     for acc, shift, out in zip(accs, shifts, outs, strict=True):
         if acc.device.type != "cpu":
             # Aliased in-place conversions are a CPU saving, not tried on accelerators.
             mean_from_fixed(acc, shift, count, out)
             continue
+        shift += extra
         if acc.numel() <= _PIECE or acc.stride() != out.stride():
             small.append((acc, shift, out))
             continue
@@ -256,14 +260,17 @@ def means_from_fixed(
             piece = floats[start : start + _PIECE]
             # Same-size elements: each is read before it is overwritten in place.
             piece.copy_(source[start : start + _PIECE]).mul_(math.ldexp(1.0, -shift))
-            target[start : start + _PIECE].copy_(piece.div_(count))
+            if divisor != 1:
+                piece.div_(divisor)
+            target[start : start + _PIECE].copy_(piece)
     if not small:
         return
     accs, shifts, outs = (list(column) for column in zip(*small, strict=True))
     floats = [acc.view(torch.float64) for acc in accs]
     torch._foreach_copy_(floats, accs)
     torch._foreach_mul_(floats, [math.ldexp(1.0, -shift) for shift in shifts])
-    torch._foreach_div_(floats, count)
+    if divisor != 1:
+        torch._foreach_div_(floats, divisor)
     torch._foreach_copy_(outs, floats)
 
 
