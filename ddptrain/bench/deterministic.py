@@ -11,12 +11,18 @@ no_sync(), then an SGD step; both modes see the same data. One thread per rank.
 - Step time: one world per model and world size holds both modes, which take turns (the order
   alternates every round), so machine noise hits them alike; a turn is --block steps after one
   barrier, timed as the slowest rank's. "ratio" is the median of each round's own
-  deterministic / default ratio.
+  deterministic / default ratio. glibc keeps freed memory (fixed thresholds, as the step
+  bench): with its adaptive ones, page faults of the model's own buffers land on one mode or
+  the other by allocation history, milliseconds a step (--stock-malloc keeps them).
 - Memory: one fresh world per mode, glibc returning every freed block over 64 KiB at once (so a
   rank's RSS follows its live tensors); "train peak" is a rank's peak RSS over --memory-steps
   steps above its RSS before the model was built, less the library code paged in meanwhile
   (file-backed pages: each mode runs kernels the other does not), the worst rank; "extra" is
-  the difference in gradient-sized copies (the model's parameter bytes).
+  the difference in gradient-sized copies (the model's parameter bytes). RSS also counts the
+  pages of other ranks' shared-memory buckets this rank sums, and the allocator's rounding,
+  which blur a small model's figure; "held" counts bytes exactly: the wrapper's buckets (this
+  rank's row) plus the .grad tensors that are not views of them, after the last step, the
+  deterministic mode's excess in gradient-sized copies.
 Writes <out>/deterministic.json.
 """
 
@@ -36,7 +42,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ddptrain
-from ddptrain.bench.memory import reset_peak_rss, return_freed_memory, status_field
+from ddptrain.bench.memory import (
+    keep_freed_memory,
+    reset_peak_rss,
+    return_freed_memory,
+    status_field,
+)
 from ddptrain.bench.models import MODELS
 from ddptrain.bench.report import machine
 
@@ -72,7 +83,8 @@ def _wrap(name: str, mode: str) -> tuple[ddptrain.DDP, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
-def _time_worker(name: str, args: argparse.Namespace) -> dict[str, list[float]]:
+def _time_worker(name: str, args: argparse.Namespace) -> tuple[dict[str, list[float]], bool]:
+    malloc_fixed = not args.stock_malloc and keep_freed_memory()
     torch.set_num_threads(1)
     info = ddptrain.init_distributed()
     batches = _batches(name, args, info.rank, info.world_size)
@@ -89,7 +101,19 @@ def _time_worker(name: str, args: argparse.Namespace) -> dict[str, list[float]]:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if round_ >= args.warmup:
                 times[mode].append(elapsed.item())
-    return times
+    return times, malloc_fixed
+
+
+def held_bytes(model: ddptrain.DDP) -> int:
+    """Bytes the wrapper holds between steps: its buckets (this rank's row of a shared one) and
+    the .grad tensors that are not views of them."""
+    flats = [b.flat for b in model.reducer.buckets]
+    storages = {f.untyped_storage().data_ptr() for f in flats}
+    held = sum(f.numel() * f.element_size() for f in flats)
+    for p in model.parameters():
+        if p.grad is not None and p.grad.untyped_storage().data_ptr() not in storages:
+            held += p.grad.numel() * p.grad.element_size()
+    return held
 
 
 def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, int]:
@@ -110,6 +134,7 @@ def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, 
     code = status_field("RssFile") - code_before
     return {
         "train_peak_bytes": status_field("VmHWM") - before_model - code if reset else 0,
+        "held_bytes": held_bytes(model),
         "grad_bytes": grad_bytes,
         "freed_at_once": freed_at_once,
     }
@@ -130,6 +155,7 @@ def summarize(
             )
             ranks = memory[name][world_size]
             peak = {m: max(r["train_peak_bytes"] for r in ranks[m]) for m in MODES}
+            held = {m: max(r["held_bytes"] for r in ranks[m]) for m in MODES}
             grad_bytes = ranks["default"][0]["grad_bytes"]
             rows.append(
                 {
@@ -144,6 +170,10 @@ def summarize(
                     "default_train_peak_bytes": peak["default"],
                     "deterministic_train_peak_bytes": peak["deterministic"],
                     "extra_grad_copies": (peak["deterministic"] - peak["default"]) / grad_bytes,
+                    "default_held_bytes": held["default"],
+                    "deterministic_held_bytes": held["deterministic"],
+                    "extra_held_grad_copies": (held["deterministic"] - held["default"])
+                    / grad_bytes,
                 }
             )
     return {"settings": settings, "rows": rows}
@@ -153,7 +183,8 @@ def format_table(result: dict[str, Any]) -> str:
     """The table printed at the end of a run."""
     lines = [
         f"{'model':<13} {'ws':>2} {'mb/rank':>7} {'default ms':>10} {'determ. ms':>10} "
-        f"{'ratio':>6} {'grad MiB':>8} {'peak default':>12} {'peak determ.':>12} {'extra':>6}"
+        f"{'ratio':>6} {'grad MiB':>8} {'peak default':>12} {'peak determ.':>12} {'extra':>6} "
+        f"{'held':>6}"
     ]
     for r in result["rows"]:
         lines.append(
@@ -161,11 +192,12 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['default_ms']:>10.2f} {r['deterministic_ms']:>10.2f} {r['ratio']:>5.3f}x "
             f"{r['grad_bytes'] / _MIB:>8.2f} {r['default_train_peak_bytes'] / _MIB:>12.2f} "
             f"{r['deterministic_train_peak_bytes'] / _MIB:>12.2f} "
-            f"{r['extra_grad_copies']:>+6.2f}"
+            f"{r['extra_grad_copies']:>+6.2f} {r['extra_held_grad_copies']:>+6.2f}"
         )
     lines.append(
         "ratio: median of per-round deterministic/default step times; peaks in MiB (worst "
-        "rank); extra: the deterministic peak's excess in gradient-sized copies"
+        "rank); extra: the deterministic peak's excess in gradient-sized copies; held: the "
+        "excess of the wrapper's buckets and separate .grad tensors, in gradient-sized copies"
     )
     return "\n".join(lines)
 
@@ -187,6 +219,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--block", type=int, default=3, help="steps per timed turn")
     p.add_argument("--memory-steps", type=int, default=3)
+    p.add_argument(
+        "--stock-malloc", action="store_true", help="time with glibc's adaptive thresholds"
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--timeout-s", type=float, default=1800.0)
@@ -214,13 +249,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Measure, print the table, write deterministic.json; return the result."""
     args = parse_args(argv)
     load_before = os.getloadavg()[0]
-    times, memory = {}, {}
+    times, memory, malloc_fixed = {}, {}, []
     for name in args.models:
         times[name], memory[name] = {}, {}
         for w in args.world_sizes:
-            times[name][w] = ddptrain.spawn(_time_worker, w, name, args, timeout_s=args.timeout_s)[
-                0
-            ]
+            ranks = ddptrain.spawn(_time_worker, w, name, args, timeout_s=args.timeout_s)
+            times[name][w] = ranks[0][0]
+            malloc_fixed += [fixed for _, fixed in ranks]
             memory[name][w] = {
                 mode: ddptrain.spawn(_memory_worker, w, name, mode, args, timeout_s=args.timeout_s)
                 for mode in MODES
@@ -232,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "block": args.block,
         "optimizer": "SGD(lr=0.01, momentum=0.9)",
         "threads_per_rank": 1,
+        "malloc_fixed_thresholds": all(malloc_fixed),
         "machine": machine(),
         "load_avg_1m_before": load_before,
         "load_avg_1m_after": os.getloadavg()[0],

@@ -147,6 +147,21 @@ def reset_peak_rss() -> bool:
     return True
 
 
+def keep_freed_memory() -> bool:
+    """Stop glibc returning freed memory to the OS (and mapping it anew) between steps; False
+    without glibc."""
+    # Stock glibc adapts its mmap/trim thresholds as it goes, so a 20 MB gradient freed in one
+    # step may be page-faulted back in the next (thousands of faults on the MLP) or not,
+    # depending on allocation history that interleaved variants share: the tax lands on
+    # whichever variant the history punishes. Fixed thresholds remove it for all alike.
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 1 << 30))
+
+
 def return_freed_memory() -> bool:
     """Have glibc map every block over 64 KiB on its own and unmap it when freed (a fixed
     mmap threshold, one heap): freed memory leaves the process at once. False without glibc."""

@@ -44,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import ddptrain
 from ddptrain.bench import compression
 from ddptrain.bench.collectives import bench_all_reduce
+from ddptrain.bench.memory import keep_freed_memory
 from ddptrain.bench.models import MODELS
 from ddptrain.bench.placement import bucket_transport, hosts, this_host, transport
 from ddptrain.bench.report import format_table, machine, plot, summarize
@@ -230,24 +231,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _keep_freed_memory() -> bool:
-    """Stop glibc returning freed memory to the OS (and mapping it anew) between steps."""
-    # Stock glibc adapts its mmap/trim thresholds as it goes, so a 20 MB gradient freed in one
-    # step may be page-faulted back in the next (thousands of faults on the MLP) or not,
-    # depending on allocation history that interleaved variants share: the tax lands on
-    # whichever variant the history punishes. Fixed thresholds remove it for all alike.
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 1 << 30))
-
-
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
-    malloc_fixed = not args.stock_malloc and _keep_freed_memory()
+    malloc_fixed = not args.stock_malloc and keep_freed_memory()
     info = ddptrain.init_distributed(backend=args.backend)
     variants = list(BASE_VARIANTS)
     variants += [

@@ -25,14 +25,23 @@ from ddptrain.ddp.exact import (
     COUNT_BITS,
     FLOAT_EXACT,
     add_fixed,
-    add_fixed_float,
+    add_fixed_floats,
     fixed_point_shift,
     float_to_fixed,
-    mean_from_fixed,
+    largest_magnitudes,
+    means_from_fixed,
 )
 from ddptrain.ddp.hooks import CommHook, Transport, global_rank, transport_hook
 from ddptrain.ddp.micro_batches import MicroBatchForwards
 from ddptrain.ddp.reducer import Reducer, refuse_create_graph, span
+
+# Gradients wait to be rounded until this many elements wait (or their backward ends, or their
+# bucket is full), then go in one call per operation: a small tensor's conversion costs its
+# calls, not its bytes, and a model of many small tensors pays that per micro-batch.
+_WAITING_NUMEL = 1 << 18
+# The BatchNorm statistics of a step travel in the last bucket's tail up to this many elements
+# (count * record_numel), summed with the gradients; more go by an all_gather of their own.
+_RECORDS_NUMEL = 1 << 18
 
 
 class ExactReducer(Reducer):
@@ -44,13 +53,15 @@ class ExactReducer(Reducer):
     - The grid of each parameter is agreed once per step, from rank 0's first micro-batch
       (micro-batch 0 at every world size): its gradients wait until the end of that backward,
       then one broadcast of n magnitudes, which overlaps the next forward; later gradients go
-      straight into the slots, summed in float64 on a CPU while that stays exact.
+      into the slots (small ones several at a time), summed in float64 on a CPU while that
+      stays exact.
     - Micro-batch k (counted over ranks: k = j * world_size + rank for a rank's j-th) draws
       its random numbers from micro_batch_seed(seed, step, k), seed being rank 0's.
     - Its BatchNorm layers update their running statistics from where the step began; the
       step's statistics are the mean of the micro-batches' results, in the order of k.
     - The last bucket's tail sums the used flags, the micro-batch count (the mean's divisor),
-      overflows and the carried value: still one reduction per bucket.
+      overflows, the carried value and, from the second step, the BatchNorm statistics (each
+      rank's in its own place, zero elsewhere): still one reduction per bucket.
     """
 
     bucket_dtype = torch.int64
@@ -62,9 +73,11 @@ class ExactReducer(Reducer):
         self.micro_batches = 0
         # Per parameter, the grid's exponent for this step; None until the first backward ends.
         self.shifts: list[int] | None = None
-        # Rank 0's magnitudes on their way, and the gradients that wait for them.
+        # Rank 0's magnitudes on their way.
         self._agreement: tuple[Any, torch.Tensor] | None = None
-        self._held: list[tuple[int, torch.Tensor]] = []
+        # Gradients not yet in their slots (index, gradient): for the grids, or for company.
+        self._waiting: list[tuple[int, torch.Tensor]] = []
+        self._waiting_numel = 0
         # Whether the last synchronized backward overflowed (its gradients are then inf).
         self.overflowed = False
         self._overflows = torch.zeros((), dtype=torch.int64)
@@ -73,6 +86,10 @@ class ExactReducer(Reducer):
         # integers (add_fixed_float), None once it holds int64 (always on an accelerator).
         self._float_sums: list[float | None] = []
         self._reset_float_sums()
+        # Elements after the tail's values for the statistics (sized by the first step), and
+        # whether this rank's did not fit there this step.
+        self._records_room = 0
+        self._records_missing = 0
 
     def _reset_float_sums(self) -> None:
         """A new step: every slot is written by its first term, in float64 on a CPU."""
@@ -102,7 +119,17 @@ class ExactReducer(Reducer):
         super().use_hook(state, hook)
 
     def _tail_values(self) -> list[int]:
-        return [*self.used, self.micro_batches, int(self._overflows), self._carry_value]
+        overflows = int(self._overflows)
+        return [*self.used, self.micro_batches, overflows, self._records_missing, self._carry_value]
+
+    def _tail_numel(self) -> int:
+        return len(self._tail_values()) + self._records_room
+
+    def _fill_tail(self) -> None:
+        if self._records_room:
+            region = self._tail[self._tail.numel() - self._records_room :]
+            self._records_missing = int(not self.forwards.write_records(region))
+        super()._fill_tail()
 
     def claim_slot(self, param: torch.Tensor) -> None:
         return None  # slots are integers: autograd never writes a gradient there
@@ -134,33 +161,54 @@ class ExactReducer(Reducer):
         if self.shifts is None:
             if self._agreement is None:
                 return  # the step's first backward: in .grad until the grids are agreed
-            self._finish_agreement()
-        self._accumulate(index, param.grad)
+            # What waited is from an earlier backward: not this rank's last terms.
+            self._finish_agreement(last=False)
+        self._wait(index, param.grad)
         param.grad = None
-        if self.sync and self._bucket_of[index].arrived():
+        full = self.sync and self._bucket_of[index].arrived()
+        if full or self._waiting_numel >= _WAITING_NUMEL:
+            self._accumulate_waiting(last=self.sync)
+        if full:
             self._launch_ready_buckets()
 
-    def _accumulate(self, index: int, grad: torch.Tensor) -> None:
-        slot, shift = self._views[index], self.shifts[index]
-        first, self._written[index] = not self._written[index], True
-        with span("ddptrain.fill bucket", self._bucket_of[index].index):
-            bound = self._float_sums[index]
-            if bound is not None:
-                # The sync backward holds this rank's last term of the step: int64 for the sum.
-                peak = add_fixed_float(
-                    slot.view(torch.float64),
-                    grad,
-                    shift,
-                    FLOAT_EXACT - bound,
-                    first=first,
-                    last=self.sync,
+    def _wait(self, index: int, grad: torch.Tensor) -> None:
+        self._waiting.append((index, grad))
+        self._waiting_numel += grad.numel()
+
+    def _accumulate_waiting(self, last: bool) -> None:
+        """Round the waiting gradients into their slots; `last`: this rank's last terms of the
+        step (in a synchronized backward), whose slots become int64 for the sum."""
+        waiting, self._waiting, self._waiting_numel = self._waiting, [], 0
+        if not waiting:
+            return
+        indices = [i for i, _ in waiting]
+        firsts = [not self._written[i] for i in indices]
+        for i in indices:
+            self._written[i] = True
+        # Slots of float64 integers first; a refused term (None) goes to int64 below.
+        peaks: list[float | None] = [None] * len(waiting)
+        floats = [j for j, i in enumerate(indices) if self._float_sums[i] is not None]
+        if floats:
+            with span("ddptrain.fill bucket", self._bucket_of[indices[floats[0]]].index):
+                taken = add_fixed_floats(
+                    [self._views[indices[j]].view(torch.float64) for j in floats],
+                    [waiting[j][1] for j in floats],
+                    [self.shifts[indices[j]] for j in floats],
+                    [FLOAT_EXACT - self._float_sums[indices[j]] for j in floats],
+                    [firsts[j] for j in floats],
+                    last=last,
                 )
-                if peak is None and not first:
-                    self._to_fixed(index)
-                self._float_sums[index] = None if peak is None or self.sync else bound + peak
-                if peak is not None:
-                    return
-            overflow = add_fixed(slot, grad, shift, first=first)
+            for j, peak in zip(floats, taken, strict=True):
+                peaks[j] = peak
+        for (index, grad), first, peak in zip(waiting, firsts, peaks, strict=True):
+            if peak is not None:
+                bound = self._float_sums[index]
+                self._float_sums[index] = None if last else bound + peak
+                continue
+            if not first:
+                self._to_fixed(index)
+            self._float_sums[index] = None
+            overflow = add_fixed(self._views[index], grad, self.shifts[index], first=first)
             self._overflows = self._overflows.to(overflow.device) + overflow
 
     def _to_fixed(self, index: int) -> None:
@@ -174,35 +222,35 @@ class ExactReducer(Reducer):
         waiting in .grad move aside, so that the next backward does not add to them."""
         device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
         peaks = torch.zeros(len(self.params), dtype=torch.float64, device=device)
-        self._held = [(i, p.grad) for i, p in enumerate(self.params) if self.ready[i]]
-        self._held = [(i, g) for i, g in self._held if g is not None]
+        for i, p in enumerate(self.params):
+            if self.ready[i] and p.grad is not None:
+                self._wait(i, p.grad)
+                p.grad = None
         if self.forwards.rank == 0:
-            for i, g in self._held:
-                if g.numel():
-                    lo, hi = torch.aminmax(g.detach())
-                    peaks[i] = torch.maximum(-lo, hi).double()
-        for i, _ in self._held:
-            self.params[i].grad = None
+            held = [(i, g) for i, g in self._waiting if g.numel()]
+            if held:
+                where = torch.tensor([i for i, _ in held], device=device)
+                peaks[where] = largest_magnitudes([g for _, g in held])
         work = None
         if self.world_size > 1:
             root = global_rank(self.process_group, 0)
             work = dist.broadcast(peaks, root, group=self.process_group, async_op=True)
         self._agreement = (work, peaks)
 
-    def _finish_agreement(self) -> None:
-        """The grids are known: round what was held aside."""
+    def _finish_agreement(self, last: bool) -> None:
+        """The grids are known: round what was held aside (`last`: as this rank's last terms)."""
         work, peaks = self._agreement
         if work is not None:
             work.wait()
         self.shifts = [fixed_point_shift(v) for v in peaks.tolist()]
-        for i, grad in self._held:
-            self._accumulate(i, grad)
-        self._held = []
+        self._accumulate_waiting(last)
 
     def _end_micro_batch(self) -> None:
         """Queued at the end of a backward under no_sync()."""
         if self.shifts is None and self._agreement is None:
             self._start_agreement()
+        else:
+            self._accumulate_waiting(last=False)
         self._in_backward = False
         self.ready = [False] * len(self.params)
 
@@ -213,10 +261,11 @@ class ExactReducer(Reducer):
                 first_backward = self._agreement is None
                 if first_backward:
                     self._start_agreement()
-                self._finish_agreement()
+                self._finish_agreement(last=True)
                 for i, ready in enumerate(self.ready):
                     if ready and first_backward:
                         self._bucket_of[i].arrived()
+            self._accumulate_waiting(last=True)
             for i, ready in enumerate(self.ready):
                 if not ready:
                     if self._written[i]:
@@ -230,25 +279,39 @@ class ExactReducer(Reducer):
                 with span("ddptrain.wait bucket", b):
                     bucket.wait()
             self.last_comm_wait_s = time.perf_counter() - started
-            *flags, count, overflows, carried = self._tail.tolist()
+            values = self._tail[: len(self._tail_values())].tolist()
+            *flags, count, overflows, missing, carried = values
             self._carry_value, self.carried = 0, carried
-            self.forwards.combine(count)
+            records = count * self.forwards.record_numel
+            gathered = None
+            if records and not missing and records <= self._records_room:
+                gathered = self._tail[len(values) :][:records].view(torch.float64)
+            self.forwards.combine(count, gathered)
             self.overflowed = bool(overflows) or count > 2**COUNT_BITS
-            for index, p in enumerate(self.params):
-                if flags[index]:
-                    p.grad = torch.empty_like(p)
-                    if self.overflowed:
-                        p.grad.fill_(math.inf)
-                    else:
-                        mean_from_fixed(self._views[index], self.shifts[index], count, p.grad)
+            used = [i for i, flag in enumerate(flags) if flag]
+            for i in used:
+                self.params[i].grad = torch.empty_like(self.params[i])
+            grads = [self.params[i].grad for i in used]
+            if self.overflowed:
+                for grad in grads:
+                    grad.fill_(math.inf)
+            else:
+                # The slots are spent: the next step's first terms overwrite them.
+                views, shifts = [self._views[i] for i in used], [self.shifts[i] for i in used]
+                means_from_fixed(views, shifts, count, grads)
             if self._ready_order is not None:
                 self._rebuild_in_ready_order()
+            if self._records_room < records <= _RECORDS_NUMEL:
+                # Every rank decides alike, from sums: the buckets (a collective) grow by it.
+                self._records_room = records
+                self._build_buckets(self.bucket_order)
         except BaseException:
             self._runner.close()
             raise
         finally:
             self._reset_step()
-            self.shifts, self._in_backward, self._agreement, self._held = None, False, None, []
+            self.shifts, self._in_backward, self._agreement = None, False, None
+            self._waiting, self._waiting_numel = [], 0
             self._overflows = torch.zeros((), dtype=torch.int64)
             self._reset_float_sums()
-            self.micro_batches = 0
+            self.micro_batches, self._records_missing = 0, 0

@@ -138,6 +138,74 @@ def add_fixed_float(
     return peak
 
 
+def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """max |x| of each tensor (none empty) as one float64 tensor, NaN where one holds a NaN:
+    the small ones in one call per operation, a large one in one pass, with no copy of it."""
+    tops: list[torch.Tensor | None] = [None] * len(tensors)
+    small = [i for i, t in enumerate(tensors) if t.numel() <= _PIECE]
+    for i, t in enumerate(tensors):
+        if t.numel() > _PIECE:
+            lo, hi = torch.aminmax(t.detach())
+            tops[i] = torch.maximum(-lo, hi)
+    if small:
+        found = torch._foreach_max(torch._foreach_abs([tensors[i].detach() for i in small]))
+        for i, top in zip(small, found, strict=True):
+            tops[i] = top
+    return torch.stack(tops).double()
+
+
+def add_fixed_floats(
+    accs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    shifts: list[int],
+    rooms: list[float],
+    firsts: list[bool],
+    *,
+    last: bool = False,
+) -> list[float | None]:
+    """add_fixed_float on many tensors at once, the same integers bitwise: one torch call per
+    operation for all the small ones instead of several per tensor, which is what a small
+    tensor's conversion costs (a large one goes by pieces, as add_fixed_float does it). Per
+    tensor: its peak, or None (acc and grad left as they were)."""
+    peaks: list[float | None] = [None] * len(grads)
+    todo = []
+    for i, (grad, shift) in enumerate(zip(grads, shifts, strict=True)):
+        if grad.numel() > _PIECE:
+            peaks[i] = add_fixed_float(accs[i], grad, shift, rooms[i], first=firsts[i], last=last)
+        elif grad.dtype in (torch.float32, torch.float64) and -126 <= shift <= 127:
+            if grad.numel():
+                todo.append(i)
+            else:
+                peaks[i] = 0.0
+    if not todo:
+        return peaks
+    largest = largest_magnitudes([grads[i] for i in todo]).tolist()
+    taken: list[int] = []
+    for i, top in zip(todo, largest, strict=True):
+        peak = math.ldexp(top, shifts[i])
+        # Written so that NaN fails it.
+        if peak <= rooms[i] and peak <= math.ldexp(term_bound(shifts[i]), shifts[i]):
+            peaks[i] = peak
+            taken.append(i)
+    if not taken:
+        return peaks
+    scaled = {i: grads[i].detach() for i in taken}
+    # A float32 times a power of two it can hold is exact; round half to even.
+    torch._foreach_mul_(list(scaled.values()), [math.ldexp(1.0, shifts[i]) for i in taken])
+    torch._foreach_round_(list(scaled.values()))
+    copied = [i for i in taken if firsts[i]]
+    added = [i for i in taken if not firsts[i]]
+    if copied:
+        torch._foreach_copy_([accs[i] for i in copied], [scaled[i] for i in copied])
+    if added:
+        torch._foreach_add_([accs[i] for i in added], [scaled[i] for i in added])
+    if last:
+        targets = [accs[i] for i in taken]
+        # Same-size elements: each is read before it is overwritten in place.
+        torch._foreach_copy_([t.view(torch.int64) for t in targets], targets)
+    return peaks
+
+
 def float_to_fixed(acc: torch.Tensor) -> torch.Tensor:
     """The int64 view of a float64 accumulator of integers (each |value| <= FLOAT_EXACT),
     converted in place."""
@@ -190,6 +258,46 @@ def _pieces(tensors: list[torch.Tensor], size: int):
             held += part.numel()
     if parts:
         yield parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def means_from_fixed(
+    accs: list[torch.Tensor], shifts: list[int], count: int, outs: list[torch.Tensor]
+) -> None:
+    """mean_from_fixed for many accumulators at once, the same bits; accs and outs of the same
+    shapes. On a CPU each is converted in place into float64 (no scratch: the accumulators are
+    spent), the small ones in one call per operation, a large one by pieces that stay in
+    cache; elsewhere each goes through mean_from_fixed."""
+    # Dividing by a power of two is exact: it joins the scaling, one pass fewer.
+    power_of_two = count > 0 and count & (count - 1) == 0
+    divisor, extra = (1, count.bit_length() - 1) if power_of_two else (count, 0)
+    small = []
+    for acc, shift, out in zip(accs, shifts, outs, strict=True):
+        if acc.device.type != "cpu":
+            # Aliased in-place conversions are a CPU saving, not tried on accelerators.
+            mean_from_fixed(acc, shift, count, out)
+            continue
+        shift += extra
+        if acc.numel() <= _PIECE or acc.stride() != out.stride():
+            small.append((acc, shift, out))
+            continue
+        source, target = memory_order(acc), memory_order(out)
+        floats = source.view(torch.float64)
+        for start in range(0, source.numel(), _PIECE):
+            piece = floats[start : start + _PIECE]
+            # Same-size elements: each is read before it is overwritten in place.
+            piece.copy_(source[start : start + _PIECE]).mul_(math.ldexp(1.0, -shift))
+            if divisor != 1:
+                piece.div_(divisor)
+            target[start : start + _PIECE].copy_(piece)
+    if not small:
+        return
+    accs, shifts, outs = (list(column) for column in zip(*small, strict=True))
+    floats = [acc.view(torch.float64) for acc in accs]
+    torch._foreach_copy_(floats, accs)
+    torch._foreach_mul_(floats, [math.ldexp(1.0, -shift) for shift in shifts])
+    if divisor != 1:
+        torch._foreach_div_(floats, divisor)
+    torch._foreach_copy_(outs, floats)
 
 
 def exact_norm(

@@ -4,6 +4,9 @@
     forwards = MicroBatchForwards(module, group)   # collective: rank 0's seed
     ... training forwards: hooks on `module` key the RNG and restore the statistics ...
     forwards.combine(count)                         # collective, after the step's backwards
+    # or, where the step's own reduction can carry them (the exact reducer's bucket tail):
+    forwards.write_records(region)                  # before the sum over ranks
+    forwards.combine(count, gathered)               # the summed region: no collective
 
 Micro-batch k of a step is counted over every rank (rank r's j-th is j * world_size + r), so
 its seed micro_batch_seed(seed, step, k) never depends on the rank or the world size.
@@ -97,13 +100,34 @@ class MicroBatchForwards:
             if self._step_start is None:
                 self._step_start = [t.clone() for t in self._norm_tensors()]
             else:
-                for t, start in zip(self._norm_tensors(), self._step_start, strict=True):
-                    t.copy_(start)
+                torch._foreach_copy_(self._norm_tensors(), self._step_start)
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._norms and module.training and torch.is_grad_enabled():
-            stats = [t.detach().reshape(-1).double() for t in self._norm_tensors(counts=False)]
-            self._records.append(torch.cat(stats))
+            stats = [t.detach().reshape(-1) for t in self._norm_tensors(counts=False)]
+            self._records.append(torch.cat(stats).double())
+
+    @property
+    def record_numel(self) -> int:
+        """The elements one micro-batch's statistics take (0 without BatchNorm)."""
+        return sum(t.numel() for t in self._norm_tensors(counts=False))
+
+    def write_records(self, region: torch.Tensor) -> bool:
+        """This rank's statistics of the step into `region` (int64, zeroed first), micro-batch
+        k's as the bits of its float64s at k * record_numel: a sum of every rank's region is
+        then what combine's all_gather would bring, in the order of k. False: they do not fit."""
+        region.zero_()
+        if not self._records:
+            return True
+        n, world = self.record_numel, self.world_size
+        rows = (len(self._records) - 1) * world + self.rank + 1
+        if rows * n > region.numel():
+            return False
+        # Rank r's j-th record is micro-batch j * world_size + r.
+        region[: rows * n].view(torch.float64).view(rows, n)[self.rank :: world] = torch.stack(
+            self._records
+        )
+        return True
 
     def _norm_tensors(self, counts: bool = True) -> list[torch.Tensor]:
         out = []
@@ -113,9 +137,11 @@ class MicroBatchForwards:
                 out.append(m.num_batches_tracked)
         return out
 
-    def combine(self, count: int) -> None:
+    def combine(self, count: int, gathered: torch.Tensor | None = None) -> None:
         """Collective after the step's last backward (`count` micro-batches over every rank):
-        the running statistics every rank ends the step with; the next step begins."""
+        the running statistics every rank ends the step with; the next step begins.
+        `gathered`: every rank's statistics in the order of k (the sum of write_records'
+        regions, count * record_numel float64), sparing the all_gather."""
         self.step += 1
         forwards, self.forwards = self.forwards, 0
         if not self._norms or self._step_start is None:
@@ -126,14 +152,17 @@ class MicroBatchForwards:
                 f"number on every rank: this rank ran {forwards} forwards, the step {count} "
                 f"backwards over {self.world_size} ranks"
             )
-        mine = torch.stack(self._records)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        if self.world_size > 1:
-            dist.all_gather(everyone, mine, group=self.group)
+        if gathered is not None:
+            ordered = gathered.view(count, -1)
         else:
-            everyone = [mine]
-        # Rank r's j-th record is micro-batch j * world_size + r.
-        ordered = torch.stack(everyone, dim=1).reshape(count, -1)
+            mine = torch.stack(self._records)
+            everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+            if self.world_size > 1:
+                dist.all_gather(everyone, mine, group=self.group)
+            else:
+                everyone = [mine]
+            # Rank r's j-th record is micro-batch j * world_size + r.
+            ordered = torch.stack(everyone, dim=1).reshape(count, -1)
         total = torch.zeros_like(ordered[0])
         for record in ordered:
             total += record

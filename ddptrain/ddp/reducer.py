@@ -155,6 +155,14 @@ class Reducer:
         """What the last bucket's tail carries: the used flags, then the carried value."""
         return [*self.used, self._carry_value]
 
+    def _tail_numel(self) -> int:
+        """The tail's length: its values, and room a subclass adds after them."""
+        return len(self._tail_values())
+
+    def _fill_tail(self) -> None:
+        values = self._tail_values()
+        self._tail[: len(values)].copy_(torch.tensor(values, dtype=self._tail.dtype))
+
     def _build_buckets(self, order: list[int]) -> None:
         transport = self.transport
         layout = build_layout(
@@ -163,7 +171,7 @@ class Reducer:
             *self._caps,
             transport.allocate if transport is not None else zeros,
             self._as_view,
-            tail=len(self._tail_values()) if transport is not None else 0,
+            tail=self._tail_numel() if transport is not None else 0,
             bucket_dtype=self.bucket_dtype,
         )
         self.bucket_order = layout.order
@@ -263,7 +271,7 @@ class Reducer:
         while self._next_bucket <= last and self.buckets[self._next_bucket].pending == 0:
             b = self._next_bucket
             if b == last and self._tail is not None:
-                self._tail.copy_(torch.tensor(self._tail_values(), dtype=self._tail.dtype))
+                self._fill_tail()
             with span("ddptrain.launch bucket", b):
                 # The last bucket is waited for as soon as backward ends: the waiting thread
                 # runs it, sparing two thread wake-ups on the critical path.

@@ -135,3 +135,55 @@ def test_the_shift_keeps_the_headroom_for_any_reference(reference):
     """term_bound(fixed_point_shift(r)) is at least r * 2**HEADROOM_BITS (1.0 for 0 or inf)."""
     r = reference if 0 < reference < math.inf else 1.0
     assert exact.term_bound(exact.fixed_point_shift(reference)) >= r * 2**exact.HEADROOM_BITS
+
+
+def test_many_tensors_at_once_give_one_at_a_time_bits():
+    """add_fixed_floats (small and large tensors, channels_last, first, middle and last terms)
+    gives add_fixed_float's integers and peaks bitwise; what it refuses (bf16, NaN, a term
+    beyond its room) it leaves as it was, as add_fixed_float does."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(7,), (0,), (40, 20, 5, 5), (300, 1000), (100, 640), (3,), (5,), (4,)]
+    shift = exact.fixed_point_shift(4.0)
+    for last in (False, True):
+        accs, ref_accs, grads = [], [], []
+        for shape in shapes:
+            fmt = torch.channels_last if len(shape) == 4 else torch.contiguous_format
+            acc = torch.randint(-(2**40), 2**40, shape, generator=g).double()
+            accs.append(acc.contiguous(memory_format=fmt))
+            ref_accs.append(accs[-1].clone())
+            grads.append(torch.randn(shape, generator=g).contiguous(memory_format=fmt))
+        grads[-3] = grads[-3].bfloat16()
+        grads[-2][1] = math.nan
+        firsts = [i % 2 == 0 for i in range(len(shapes))]
+        rooms = [exact.FLOAT_EXACT - 2.0**41] * (len(shapes) - 1) + [2.0**31]
+        kept = [t.clone() for t in grads]
+        peaks = exact.add_fixed_floats(accs, grads, [shift] * len(shapes), rooms, firsts, last=last)
+        for i, t in enumerate(kept):
+            want = exact.add_fixed_float(
+                ref_accs[i], t, shift, rooms[i], first=firsts[i], last=last
+            )
+            assert peaks[i] == want
+            assert torch.equal(accs[i].view(torch.int64), ref_accs[i].view(torch.int64))
+        assert peaks[-3:] == [None, None, None]
+        for t, left in zip(kept[-3:], grads[-3:], strict=True):
+            torch.testing.assert_close(left, t, rtol=0, atol=0, equal_nan=True)
+
+
+def test_means_at_once_give_mean_from_fixed_bits():
+    """means_from_fixed gives mean_from_fixed's float32 means bitwise (counts that are powers of
+    two, which it folds into the scaling, and counts that are not, which round), channels_last
+    and large tensors too, spending its accumulators instead of a scratch buffer."""
+    g = torch.Generator().manual_seed(4)
+    for count in (1, 3, 8, 12):
+        shapes = [(1000,), (6, 5, 7, 11), (2,), (300, 1000)]
+        accs, outs, want = [], [], []
+        for shape in shapes:
+            fmt = torch.channels_last if len(shape) == 4 else torch.contiguous_format
+            acc = torch.randint(-(2**62), 2**62, shape, generator=g)
+            acc = (acc >> torch.randint(0, 60, shape, generator=g)).contiguous(memory_format=fmt)
+            accs.append(acc)
+            want.append(torch.empty(shape).contiguous(memory_format=fmt))
+            exact.mean_from_fixed(acc, 40, count, want[-1])
+            outs.append(torch.empty_like(want[-1]))
+        exact.means_from_fixed([a.clone() for a in accs], [40] * len(shapes), count, outs)
+        assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
