@@ -407,7 +407,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _flops_per_token(flags: argparse.Namespace) -> int:
     recipe = _load_recipe()
-    return recipe.GPTTrainer(recipe.build_config(flags), flags).build_model().flops_per_token()
+    with torch.device("meta"):  # shapes only: no memory, no initialisation work
+        model = recipe.GPTTrainer(recipe.build_config(flags), flags).build_model()
+    return model.flops_per_token()
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
