@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddptrain.ddp.buckets import memory_order, view_like
 from ddptrain.ddp.exact import (
     COUNT_BITS,
     FLOAT_EXACT,
@@ -171,7 +172,24 @@ class ExactReducer(Reducer):
         if full:
             self._launch_ready_buckets()
 
+    def _build_buckets(self, order: list[int]) -> None:
+        super()._build_buckets(order)
+        self._slot_storages = {b.flat.untyped_storage().data_ptr() for b in self.buckets}
+
+    def _grad_view(self, index: int) -> torch.Tensor:
+        """The parameter's gradient in the first bytes of its spent slot (an int64 has room for
+        any float), so that the mode holds no gradient beside its buckets."""
+        p, slot = self.params[index], self._views[index]
+        if not p.dtype.is_floating_point or p.element_size() > slot.element_size():
+            return torch.empty_like(p)
+        raw = memory_order(slot).view(torch.uint8)[: p.numel() * p.element_size()]
+        return view_like(raw.view(p.dtype), p)
+
     def _wait(self, index: int, grad: torch.Tensor) -> None:
+        if grad.untyped_storage().data_ptr() in self._slot_storages:
+            # Last step's mean, kept (zero_grad(set_to_none=False)) and added to in its slot:
+            # the slot is about to take this step's terms.
+            grad = grad.clone()
         self._waiting.append((index, grad))
         self._waiting_numel += grad.numel()
 
@@ -289,22 +307,28 @@ class ExactReducer(Reducer):
             self.forwards.combine(count, gathered)
             self.overflowed = bool(overflows) or count > 2**COUNT_BITS
             used = [i for i, flag in enumerate(flags) if flag]
-            for i in used:
-                self.params[i].grad = torch.empty_like(self.params[i])
-            grads = [self.params[i].grad for i in used]
+            grads = [self._grad_view(i) for i in used]
+            for i, grad in zip(used, grads, strict=True):
+                self.params[i].grad = grad
             if self.overflowed:
                 for grad in grads:
                     grad.fill_(math.inf)
             else:
-                # The slots are spent: the next step's first terms overwrite them.
+                # Each mean is written over its spent sum; the next step's first terms overwrite
+                # it (a .grad kept until then is moved aside first: _wait).
                 views, shifts = [self._views[i] for i in used], [self.shifts[i] for i in used]
                 means_from_fixed(views, shifts, count, grads)
+            slots = self._slot_storages
             if self._ready_order is not None:
                 self._rebuild_in_ready_order()
             if self._records_room < records <= _RECORDS_NUMEL:
                 # Every rank decides alike, from sums: the buckets (a collective) grow by it.
                 self._records_room = records
                 self._build_buckets(self.bucket_order)
+            if self._slot_storages is not slots:
+                # The buckets were rebuilt: each mean moves into its new slot.
+                for i in used:
+                    self.params[i].grad = self._grad_view(i).copy_(self.params[i].grad)
         except BaseException:
             self._runner.close()
             raise

@@ -263,40 +263,45 @@ def means_from_fixed(
     accs: list[torch.Tensor], shifts: list[int], count: int, outs: list[torch.Tensor]
 ) -> None:
     """mean_from_fixed for many accumulators at once, the same bits; accs and outs of the same
-    shapes. On a CPU each is converted in place into float64 (no scratch: the accumulators are
-    spent), the small ones in one call per operation, a large one by pieces that stay in
-    cache; elsewhere each goes through mean_from_fixed."""
+    shapes, and an out may lie in its own acc's first bytes (DDP's .grad in its spent slot):
+    each piece is read into a scratch before its results are written. On a CPU the small ones
+    go in one call per operation, a large one by pieces that stay in cache; elsewhere each
+    goes through mean_from_fixed."""
     # Dividing by a power of two is exact: it joins the scaling, one pass fewer.
     power_of_two = count > 0 and count & (count - 1) == 0
     divisor, extra = (1, count.bit_length() - 1) if power_of_two else (count, 0)
-    small = []
+    on_cpu = sum(acc.numel() for acc in accs if acc.device.type == "cpu")
+    scratch = torch.empty(min(_PIECE, on_cpu), dtype=torch.float64)
+    group: list[tuple[torch.Tensor, float, torch.Tensor]] = []
+    held = 0
+
+    def convert(group: list[tuple[torch.Tensor, float, torch.Tensor]]) -> None:
+        pieces = list(
+            scratch[: sum(s.numel() for s, _, _ in group)].split([s.numel() for s, _, _ in group])
+        )
+        torch._foreach_copy_(pieces, [s for s, _, _ in group])
+        torch._foreach_mul_(pieces, [scale for _, scale, _ in group])
+        if divisor != 1:
+            torch._foreach_div_(pieces, divisor)
+        torch._foreach_copy_([t for _, _, t in group], pieces)
+
     for acc, shift, out in zip(accs, shifts, outs, strict=True):
-        if acc.device.type != "cpu":
-            # Aliased in-place conversions are a CPU saving, not tried on accelerators.
+        if acc.device.type != "cpu" or acc.stride() != out.stride():
             mean_from_fixed(acc, shift, count, out)
             continue
-        shift += extra
-        if acc.numel() <= _PIECE or acc.stride() != out.stride():
-            small.append((acc, shift, out))
+        if not acc.numel():
             continue
         source, target = memory_order(acc), memory_order(out)
-        floats = source.view(torch.float64)
+        scale = math.ldexp(1.0, -shift - extra)
         for start in range(0, source.numel(), _PIECE):
-            piece = floats[start : start + _PIECE]
-            # Same-size elements: each is read before it is overwritten in place.
-            piece.copy_(source[start : start + _PIECE]).mul_(math.ldexp(1.0, -shift))
-            if divisor != 1:
-                piece.div_(divisor)
-            target[start : start + _PIECE].copy_(piece)
-    if not small:
-        return
-    accs, shifts, outs = (list(column) for column in zip(*small, strict=True))
-    floats = [acc.view(torch.float64) for acc in accs]
-    torch._foreach_copy_(floats, accs)
-    torch._foreach_mul_(floats, [math.ldexp(1.0, -shift) for shift in shifts])
-    if divisor != 1:
-        torch._foreach_div_(floats, divisor)
-    torch._foreach_copy_(outs, floats)
+            part = (source[start : start + _PIECE], scale, target[start : start + _PIECE])
+            if held + part[0].numel() > _PIECE:
+                convert(group)
+                group, held = [], 0
+            group.append(part)
+            held += part[0].numel()
+    if group:
+        convert(group)
 
 
 def exact_norm(

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_quick_run_times_both_modes_and_measures_their_memory(tmp_path):
     """--deterministic --quick: one row (the recipe's LeNet, world size 2) with both modes'
     step times, training peaks and held buffers, written to deterministic.json: the exact
-    mode holds int64 buckets (two gradient copies) and .grad apart from them (one more)."""
+    mode holds int64 buckets (two gradient copies) and its .grad inside them (no third)."""
     deterministic.main(["--deterministic", "--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "deterministic.json").read_text())
     (row,) = saved["rows"]
@@ -23,7 +23,7 @@ def test_quick_run_times_both_modes_and_measures_their_memory(tmp_path):
     assert row["default_ms"] > 0 and row["deterministic_ms"] > 0 and row["ratio"] > 0
     assert row["default_train_peak_bytes"] > row["grad_bytes"] > 0
     assert row["deterministic_train_peak_bytes"] > row["grad_bytes"]
-    assert row["deterministic_held_bytes"] >= 3 * row["grad_bytes"]
+    assert 2 * row["grad_bytes"] <= row["deterministic_held_bytes"] < 3 * row["grad_bytes"]
     assert row["default_held_bytes"] >= row["grad_bytes"]
 
 

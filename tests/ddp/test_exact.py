@@ -172,7 +172,7 @@ def test_many_tensors_at_once_give_one_at_a_time_bits():
 def test_means_at_once_give_mean_from_fixed_bits():
     """means_from_fixed gives mean_from_fixed's float32 means bitwise (counts that are powers of
     two, which it folds into the scaling, and counts that are not, which round), channels_last
-    and large tensors too, spending its accumulators instead of a scratch buffer."""
+    and large tensors too; and again with each out in its own accumulator's first bytes."""
     g = torch.Generator().manual_seed(4)
     for count in (1, 3, 8, 12):
         shapes = [(1000,), (6, 5, 7, 11), (2,), (300, 1000)]
@@ -187,3 +187,18 @@ def test_means_at_once_give_mean_from_fixed_bits():
             outs.append(torch.empty_like(want[-1]))
         exact.means_from_fixed([a.clone() for a in accs], [40] * len(shapes), count, outs)
         assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
+        spent = [a.clone(memory_format=torch.preserve_format) for a in accs]
+        inside = [_first_bytes(a, w) for a, w in zip(spent, want, strict=True)]
+        exact.means_from_fixed(spent, [40] * len(shapes), count, inside)
+        assert all(torch.equal(o, w) for o, w in zip(inside, want, strict=True))
+
+
+def _first_bytes(acc: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor shaped and strided as `like`, in the first bytes of int64 `acc`."""
+    raw = acc.permute(sorted(range(acc.dim()), key=lambda d: -acc.stride(d))).reshape(-1)
+    assert raw.data_ptr() == acc.data_ptr()
+    return (
+        raw.view(torch.uint8)[: like.numel() * 4]
+        .view(torch.float32)
+        .as_strided(like.shape, like.stride())
+    )
