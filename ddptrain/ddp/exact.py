@@ -22,6 +22,7 @@ wrapped around.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -85,7 +86,7 @@ def add_fixed(
     limit = bound * scale
     for start in range(0, flat.numel(), _PIECE):
         # float64 holds every float32 times a power of two exactly; round half to even.
-        piece = flat[start : start + _PIECE].to(torch.float64)
+        piece = flat[start : start + _PIECE].to(torch.float64, copy=True)
         piece.mul_(scale).clamp_(-limit, limit).round_()
         out = target[start : start + piece.numel()]
         if first:
@@ -116,6 +117,10 @@ def add_fixed_float(
     flat, target = _flat_pair(acc, grad)
     if not flat.numel():
         return 0.0
+    if flat.numel() > _PIECE and flat.device.type == "cpu":
+        kernel = _fused_kernel(flat.dtype)
+        if kernel is not None:
+            return _add_fused(kernel, target, flat, shift, room, first, last)
     lo, hi = (v.item() for v in torch.aminmax(flat))
     peak = math.ldexp(max(-lo, hi), shift)
     # Written so that NaN fails it.
@@ -134,6 +139,83 @@ def add_fixed_float(
         if last:
             # Same-size elements: each is read before it is overwritten in place.
             ints[start : start + n].copy_(target[start : start + n])
+    return peak
+
+
+def _fused_add(
+    acc: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, limit: torch.Tensor, first: bool
+) -> torch.Tensor:
+    """acc (+)= round(x * scale) clamped to +-limit (NaN as 0), in one pass; returns max |x|."""
+    term = torch.round(x * scale).to(torch.float64)
+    # Not nan_to_num: the compiler does not vectorize it (three times slower).
+    term = torch.where(term == term, term, 0.0).clamp(-limit, limit)
+    if first:
+        acc.copy_(term)
+    else:
+        acc.add_(term)
+    return x.abs().amax()
+
+
+# Per dtype: the compiled _fused_add, or False where torch.compile failed here.
+_KERNELS: dict[torch.dtype, Any] = {}
+
+
+def _fused_kernel(dtype: torch.dtype) -> Any:
+    """_fused_add compiled for `dtype` (tried once, on scratch tensors), or None: a compiled
+    pass reads a gradient once where the eager operations take four passes over it."""
+    if dtype not in _KERNELS:
+        kernel = torch.compile(_fused_add, dynamic=True, fullgraph=True)
+        try:
+            acc, x = torch.zeros(64, dtype=torch.float64), torch.ones(64, dtype=dtype)
+            scale, limit = torch.ones((), dtype=torch.float64), torch.ones((), dtype=torch.float64)
+            with warnings.catch_warnings():
+                # torch's compiler imports deprecated torch.jit names: not the user's concern.
+                warnings.simplefilter("ignore", DeprecationWarning)
+                kernel(acc, x, scale, limit, False)
+                kernel(acc, x, scale, limit, True)
+            _KERNELS[dtype] = kernel
+        except Exception as e:  # no compiler, an unsupported platform: the eager way works
+            _KERNELS[dtype] = False
+            warnings.warn(
+                f"deterministic mode: torch.compile is unavailable here ({type(e).__name__}); "
+                "large gradients are rounded by eager operations, about twice as slow",
+                stacklevel=2,
+            )
+    return _KERNELS[dtype] or None
+
+
+def _add_fused(
+    kernel: Any,
+    target: torch.Tensor,
+    flat: torch.Tensor,
+    shift: int,
+    room: float,
+    first: bool,
+    last: bool,
+) -> float | None:
+    """add_fixed_float's sum by the compiled kernel, which checks magnitudes after adding:
+    its terms are clamped to the room, so the add stays exact and a refused one is taken back
+    exactly. grad is left as it was."""
+    limit = min(room, math.ldexp(term_bound(shift), shift))
+    scale = math.ldexp(1.0, shift)
+    as_tensors = (
+        torch.tensor(scale, dtype=torch.float64),
+        torch.tensor(limit, dtype=torch.float64),
+    )
+    peak = math.ldexp(kernel(target, flat, *as_tensors, first).item(), shift)
+    # Written so that NaN fails it.
+    if not (peak <= room and peak <= math.ldexp(term_bound(shift), shift)):
+        if not first:  # `first` wrote over what acc held, which was not to be kept
+            for start in range(0, flat.numel(), _PIECE):
+                piece = flat[start : start + _PIECE].to(torch.float64, copy=True)
+                piece.mul_(scale).round_().nan_to_num_(0.0).clamp_(-limit, limit)
+                target[start : start + piece.numel()].sub_(piece)
+        return None
+    if last:
+        ints = target.view(torch.int64)
+        for start in range(0, flat.numel(), _PIECE):
+            # Same-size elements: each is read before it is overwritten in place.
+            ints[start : start + _PIECE].copy_(target[start : start + _PIECE])
     return peak
 
 

@@ -115,6 +115,51 @@ def test_float64_accumulators_give_the_int64_sums_and_refuse_what_they_cannot_ho
     assert torch.equal(exact.float_to_fixed(halves.add_(-(2.0**52))), torch.full((4,), -(2**52)))
 
 
+def _sum_large(terms: list[torch.Tensor], shift: int, refused: torch.Tensor) -> torch.Tensor:
+    """add_fixed_float over `terms` (first, middle, last), then `refused` (in the middle)."""
+    acc = torch.full((terms[0].numel(),), 7.0, dtype=torch.float64)
+    bound = 0.0
+    for i, t in enumerate(terms):
+        if i == 1:
+            kept = refused.clone()
+            assert exact.add_fixed_float(acc, refused, shift, exact.FLOAT_EXACT - bound) is None
+            torch.testing.assert_close(refused, kept, rtol=0, atol=0, equal_nan=True)
+        first, last = i == 0, i == len(terms) - 1
+        room = exact.FLOAT_EXACT - bound
+        peak = exact.add_fixed_float(acc, t.clone(), shift, room, first=first, last=last)
+        assert peak is not None
+        bound += peak
+    return acc.view(torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_pass_gives_the_eager_integers(monkeypatch, dtype):
+    """A gradient larger than a piece goes through one compiled pass (torch.compile): the
+    same integers as the eager operations, and a refused term (beyond the room: the pass has
+    added it, clamped, and takes it back; or a NaN) leaves the sum as it was; add_fixed leaves
+    its term as it was, a float64 one too."""
+    g = torch.Generator().manual_seed(5)
+    numel = 3 * exact._PIECE + 17
+    terms = [
+        (torch.randn(numel, generator=g) * 10 ** (-6 * torch.rand(numel, generator=g))).to(dtype)
+        for _ in range(4)
+    ]
+    shift = exact.fixed_point_shift(max(t.abs().max().item() for t in terms))
+    for refused in (terms[0] * 2.0**40, torch.where(terms[0] > 1, math.nan, terms[0])):
+        assert exact._fused_kernel(dtype) is not None
+        compiled = _sum_large(terms, shift, refused.clone())
+        monkeypatch.setitem(exact._KERNELS, dtype, False)
+        eager = _sum_large(terms, shift, refused.clone())
+        monkeypatch.undo()
+        assert torch.equal(compiled, eager)
+        ints = torch.zeros(numel, dtype=torch.int64)
+        for t in terms:
+            kept = t.clone()
+            assert not exact.add_fixed(ints, t, shift)
+            assert torch.equal(t, kept)
+        assert torch.equal(compiled, ints)
+
+
 def test_exact_norm_is_the_same_bits_however_the_gradient_is_split():
     """The norm of one gradient cut into pieces of any sizes, in any order, is bitwise the
     same, and within 1e-6 of the float64 norm; inf and NaN give inf."""
