@@ -17,7 +17,9 @@ no_sync(), then an SGD step; both modes see the same data. One thread per rank.
 - Memory: one fresh world per mode, glibc returning every freed block over 64 KiB at once (so a
   rank's RSS follows its live tensors); "train peak" is a rank's peak RSS over --memory-steps
   steps above its RSS before the model was built, less the library code paged in meanwhile
-  (file-backed pages: each mode runs kernels the other does not), the worst rank; "extra" is
+  (file-backed pages: each mode runs kernels the other does not) and the heap of the compiler
+  of the deterministic mode's large-gradient pass (compiled before, in both modes, and
+  reported apart: compiler_rss_bytes in the JSON), the worst rank; "extra" is
   the difference in gradient-sized copies (the model's parameter bytes). RSS also counts the
   pages of other ranks' shared-memory buckets this rank sums, and the allocator's rounding,
   which blur a small model's figure; "held" counts bytes exactly: the wrapper's buckets (this
@@ -121,9 +123,13 @@ def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, 
     torch.set_num_threads(1)
     info = ddptrain.init_distributed()
     batches = _batches(name, args, info.rank, info.world_size)
-    # The exact mode's modules load on first use: loaded here in both modes, the peaks compare
-    # the tensors training holds, not code.
-    importlib.import_module("ddptrain.ddp.exact")
+    # The exact mode's modules load, and its large-gradient pass compiles, on first use: done
+    # here in both modes, the peaks compare the tensors training holds, not code or the
+    # compiler's own heap (reported apart).
+    exact = importlib.import_module("ddptrain.ddp.exact")
+    before_compiler = status_field("VmRSS")
+    exact.warm_up(MODELS[name][0]().parameters())
+    compiler = status_field("VmRSS") - before_compiler
     before_model, code_before = status_field("VmRSS"), status_field("RssFile")
     model, opt = _wrap(name, mode)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -136,6 +142,7 @@ def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, 
         "train_peak_bytes": status_field("VmHWM") - before_model - code if reset else 0,
         "held_bytes": held_bytes(model),
         "grad_bytes": grad_bytes,
+        "compiler_bytes": compiler,
         "freed_at_once": freed_at_once,
     }
 
@@ -174,6 +181,11 @@ def summarize(
                     "deterministic_held_bytes": held["deterministic"],
                     "extra_held_grad_copies": (held["deterministic"] - held["default"])
                     / grad_bytes,
+                    # RSS the compiler of the exact mode's large-gradient pass keeps (its first
+                    # use in a process; 0 where no parameter is large enough to take it).
+                    "compiler_rss_bytes": max(
+                        r.get("compiler_bytes", 0) for m in MODES for r in ranks[m]
+                    ),
                 }
             )
     return {"settings": settings, "rows": rows}

@@ -31,6 +31,7 @@ from ddptrain.ddp.exact import (
     float_to_fixed,
     largest_magnitudes,
     means_from_fixed,
+    warm_up,
 )
 from ddptrain.ddp.hooks import CommHook, Transport, global_rank, transport_hook
 from ddptrain.ddp.micro_batches import MicroBatchForwards
@@ -91,6 +92,7 @@ class ExactReducer(Reducer):
         # whether this rank's did not fit there this step.
         self._records_room = 0
         self._records_missing = 0
+        warm_up(self.params)  # the compiler's seconds here, not in the first step
 
     def _reset_float_sums(self) -> None:
         """A new step: every slot is written by its first term, in float64 on a CPU."""

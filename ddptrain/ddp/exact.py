@@ -3,7 +3,8 @@
     shift = fixed_point_shift(reference)          # per parameter, from an agreed magnitude
     acc = torch.zeros(numel, dtype=torch.int64)   # the accumulator (a bucket slot)
     overflowed = add_fixed(acc, grad, shift)      # acc += round(grad * 2**shift), exactly
-    peak = add_fixed_float(acc64, grad, shift, room)   # the same in float64 (CPU: faster)
+    peak = add_fixed_float(acc64, grad, shift, room)   # the same in float64 (CPU: faster;
+                                                       # a large grad: one compiled pass)
     ... acc summed over ranks by any all_reduce: integer addition is associative ...
     mean_from_fixed(acc, shift, count, grad)      # grad = acc * 2**-shift / count, rounded
     norm = exact_norm(grads, group)               # the same bits however the grads are split
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -111,7 +113,7 @@ def add_fixed_float(
     FLOAT_EXACT, so each add is exact and the sum independent of order, as in int64; on a CPU,
     float64's conversions and adds cost about a third of int64's. `first`: acc = ..., whatever
     it held; `last`: the sum is written as int64 into acc's memory (float_to_fixed's result).
-    grad (float32 or float64) is consumed: it is scaled and rounded in place, no scratch."""
+    grad (float32 or float64) may be consumed: scaled and rounded in place, no scratch."""
     if grad.dtype not in (torch.float32, torch.float64) or not -126 <= shift <= 127:
         return None  # a power of two outside float32's range: add_fixed works in float64
     flat, target = _flat_pair(acc, grad)
@@ -182,6 +184,15 @@ def _fused_kernel(dtype: torch.dtype) -> Any:
                 stacklevel=2,
             )
     return _KERNELS[dtype] or None
+
+
+def warm_up(tensors: Iterable[torch.Tensor]) -> bool:
+    """Compile now the pass the large ones among `tensors` (CPU float gradients of more than
+    2**18 elements) will take (seconds, once per process and dtype) rather than in the first
+    step; False where torch.compile is unavailable (the eager operations then do its work)."""
+    large = [t for t in tensors if t.device.type == "cpu" and t.numel() > _PIECE]
+    dtypes = {t.dtype for t in large if t.dtype in (torch.float32, torch.float64)}
+    return all(_fused_kernel(dtype) is not None for dtype in dtypes)
 
 
 def _add_fused(

@@ -217,7 +217,8 @@ def test_many_tensors_at_once_give_one_at_a_time_bits():
 def test_means_at_once_give_mean_from_fixed_bits():
     """means_from_fixed gives mean_from_fixed's float32 means bitwise (counts that are powers of
     two, which it folds into the scaling, and counts that are not, which round), channels_last
-    and large tensors too; and again with each out in its own accumulator's first bytes."""
+    and large tensors too; and again with each out in its own accumulator's first bytes, by
+    both."""
     g = torch.Generator().manual_seed(4)
     for count in (1, 3, 8, 12):
         shapes = [(1000,), (6, 5, 7, 11), (2,), (300, 1000)]
@@ -236,6 +237,10 @@ def test_means_at_once_give_mean_from_fixed_bits():
         inside = [_first_bytes(a, w) for a, w in zip(spent, want, strict=True)]
         exact.means_from_fixed(spent, [40] * len(shapes), count, inside)
         assert all(torch.equal(o, w) for o, w in zip(inside, want, strict=True))
+        for acc, w in zip(accs, want, strict=True):  # one at a time, as on an accelerator
+            out = _first_bytes(acc, w)
+            exact.mean_from_fixed(acc, 40, count, out)
+            assert torch.equal(out, w)
 
 
 def _first_bytes(acc: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
