@@ -43,6 +43,8 @@ FLOAT_EXACT = 2.0**53
 # Elements per piece converted at once: the piece stays in cache across its operations, and
 # each operation is long enough that its dispatch costs little.
 _PIECE = 1 << 18
+# Elements a compiled mean converts at once: its scratch (4 MiB in float32), few calls.
+_MEAN_PIECE = 1 << 20
 
 
 def fixed_point_shift(reference: float) -> int:
@@ -120,7 +122,7 @@ def add_fixed_float(
     if not flat.numel():
         return 0.0
     if flat.numel() > _PIECE and flat.device.type == "cpu":
-        kernel = _fused_kernel(flat.dtype)
+        kernel = _kernel("add", flat.dtype)
         if kernel is not None:
             return _add_fused(kernel, target, flat, shift, room, first, last)
     lo, hi = (v.item() for v in torch.aminmax(flat))
@@ -145,54 +147,78 @@ def add_fixed_float(
 
 
 def _fused_add(
-    acc: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, limit: torch.Tensor, first: bool
+    acc: torch.Tensor,
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    limit: torch.Tensor,
+    first: torch.Tensor,
+    last: torch.Tensor,
 ) -> torch.Tensor:
-    """acc (+)= round(x * scale) clamped to +-limit (NaN as 0), in one pass; returns max |x|."""
+    """In one pass over int64 `acc`, which holds float64 integers: acc (+)= round(x * scale)
+    clamped to +-limit (NaN as 0; `first`: =), written back as int64 if `last`, else as the
+    float64's bits. Returns max |x|. The flags are tensors: one compiled graph serves all."""
     term = torch.round(x * scale).to(torch.float64)
     # Not nan_to_num: the compiler does not vectorize it (three times slower).
     term = torch.where(term == term, term, 0.0).clamp(-limit, limit)
-    if first:
-        acc.copy_(term)
-    else:
-        acc.add_(term)
+    total = torch.where(first, term, acc.view(torch.float64) + term)
+    acc.copy_(torch.where(last, total.to(torch.int64), total.view(torch.int64)))
     return x.abs().amax()
 
 
-# Per dtype: the compiled _fused_add, or False where torch.compile failed here.
-_KERNELS: dict[torch.dtype, Any] = {}
+def _fused_mean(out: torch.Tensor, acc: torch.Tensor, scale: torch.Tensor, divisor: torch.Tensor):
+    """out = acc * scale / divisor in float64, rounded to out's dtype, in one pass."""
+    out.copy_((acc.to(torch.float64) * scale / divisor).to(out.dtype))
 
 
-def _fused_kernel(dtype: torch.dtype) -> Any:
-    """_fused_add compiled for `dtype` (tried once, on scratch tensors), or None: a compiled
-    pass reads a gradient once where the eager operations take four passes over it."""
-    if dtype not in _KERNELS:
-        kernel = torch.compile(_fused_add, dynamic=True, fullgraph=True)
+# Per (kind, dtype): the compiled kernel, or False where torch.compile failed here.
+_KERNELS: dict[tuple[str, torch.dtype], Any] = {}
+
+
+def _scalar(value: float | bool) -> torch.Tensor:
+    """A kernel's argument: a tensor, so that a new value needs no new compilation."""
+    return torch.tensor(value, dtype=torch.bool if isinstance(value, bool) else torch.float64)
+
+
+def _kernel(kind: str, dtype: torch.dtype) -> Any:
+    """_fused_add ("add", for `dtype` gradients) or _fused_mean ("mean", into `dtype`),
+    compiled (tried once, on scratch tensors), or None: a compiled pass reads a gradient once
+    where eager operations take four passes over it, and gives the same bits."""
+    if (kind, dtype) not in _KERNELS:
+        fn = _fused_add if kind == "add" else _fused_mean
+        kernel = torch.compile(fn, dynamic=True, fullgraph=True)
+        acc = torch.zeros(64, dtype=torch.int64)
+        flags = (_scalar(True), _scalar(False))
+        if kind == "add":
+            args = (acc, torch.ones(64, dtype=dtype), _scalar(1.0), _scalar(2.0), *flags)
+        else:
+            args = (torch.empty(64, dtype=dtype), acc, _scalar(1.0), _scalar(3.0))
         try:
-            acc, x = torch.zeros(64, dtype=torch.float64), torch.ones(64, dtype=dtype)
-            scale, limit = torch.ones((), dtype=torch.float64), torch.ones((), dtype=torch.float64)
             with warnings.catch_warnings():
                 # torch's compiler imports deprecated torch.jit names: not the user's concern.
                 warnings.simplefilter("ignore", DeprecationWarning)
-                kernel(acc, x, scale, limit, False)
-                kernel(acc, x, scale, limit, True)
-            _KERNELS[dtype] = kernel
+                kernel(*args)
+            _KERNELS[kind, dtype] = kernel
         except Exception as e:  # no compiler, an unsupported platform: the eager way works
-            _KERNELS[dtype] = False
-            warnings.warn(
-                f"deterministic mode: torch.compile is unavailable here ({type(e).__name__}); "
-                "large gradients are rounded by eager operations, about twice as slow",
-                stacklevel=2,
-            )
-    return _KERNELS[dtype] or None
+            said = False in _KERNELS.values()
+            _KERNELS[kind, dtype] = False
+            if not said:
+                warnings.warn(
+                    f"deterministic mode: torch.compile is unavailable here "
+                    f"({type(e).__name__}); large gradients are rounded by eager operations, "
+                    "about twice as slow",
+                    stacklevel=2,
+                )
+    return _KERNELS[kind, dtype] or None
 
 
 def warm_up(tensors: Iterable[torch.Tensor]) -> bool:
-    """Compile now the pass the large ones among `tensors` (CPU float gradients of more than
+    """Compile now the passes the large ones among `tensors` (CPU float gradients of more than
     2**18 elements) will take (seconds, once per process and dtype) rather than in the first
-    step; False where torch.compile is unavailable (the eager operations then do its work)."""
+    step; False where torch.compile is unavailable (the eager operations then do their work)."""
     large = [t for t in tensors if t.device.type == "cpu" and t.numel() > _PIECE]
     dtypes = {t.dtype for t in large if t.dtype in (torch.float32, torch.float64)}
-    return all(_fused_kernel(dtype) is not None for dtype in dtypes)
+    kernels = [_kernel(kind, dtype) for dtype in dtypes for kind in ("add", "mean")]
+    return all(k is not None for k in kernels)
 
 
 def _add_fused(
@@ -209,24 +235,23 @@ def _add_fused(
     exactly. grad is left as it was."""
     limit = min(room, math.ldexp(term_bound(shift), shift))
     scale = math.ldexp(1.0, shift)
-    as_tensors = (
-        torch.tensor(scale, dtype=torch.float64),
-        torch.tensor(limit, dtype=torch.float64),
-    )
-    peak = math.ldexp(kernel(target, flat, *as_tensors, first).item(), shift)
+    ints = target.view(torch.int64)
+    top = kernel(ints, flat, _scalar(scale), _scalar(limit), _scalar(first), _scalar(last))
+    peak = math.ldexp(top.item(), shift)
     # Written so that NaN fails it.
     if not (peak <= room and peak <= math.ldexp(term_bound(shift), shift)):
-        if not first:  # `first` wrote over what acc held, which was not to be kept
-            for start in range(0, flat.numel(), _PIECE):
-                piece = flat[start : start + _PIECE].to(torch.float64, copy=True)
-                piece.mul_(scale).round_().nan_to_num_(0.0).clamp_(-limit, limit)
-                target[start : start + piece.numel()].sub_(piece)
-        return None
-    if last:
-        ints = target.view(torch.int64)
+        if first:
+            return None  # it wrote over what acc held, which was not to be kept
         for start in range(0, flat.numel(), _PIECE):
-            # Same-size elements: each is read before it is overwritten in place.
-            ints[start : start + _PIECE].copy_(target[start : start + _PIECE])
+            piece = flat[start : start + _PIECE].to(torch.float64, copy=True)
+            piece.mul_(scale).round_().nan_to_num_(0.0).clamp_(-limit, limit)
+            n = piece.numel()
+            if last:  # back from int64; same-size elements, each read before it is written
+                ints[start : start + n].sub_(piece.to(torch.int64))
+                target[start : start + n].copy_(ints[start : start + n])
+            else:
+                target[start : start + n].sub_(piece)
+        return None
     return peak
 
 
@@ -386,6 +411,16 @@ def means_from_fixed(
             continue
         source, target = memory_order(acc), memory_order(out)
         scale = math.ldexp(1.0, -shift - extra)
+        kernel = _kernel("mean", out.dtype) if source.numel() > _PIECE else None
+        if kernel is not None:
+            # Each piece is read into a scratch before its results are written.
+            rounded = torch.empty(min(_MEAN_PIECE, source.numel()), dtype=out.dtype)
+            factors = (_scalar(scale), _scalar(float(divisor)))
+            for start in range(0, source.numel(), _MEAN_PIECE):
+                part = rounded[: min(_MEAN_PIECE, source.numel() - start)]
+                kernel(part, source[start : start + part.numel()], *factors)
+                target[start : start + part.numel()].copy_(part)
+            continue
         for start in range(0, source.numel(), _PIECE):
             part = (source[start : start + _PIECE], scale, target[start : start + _PIECE])
             if held + part[0].numel() > _PIECE:
