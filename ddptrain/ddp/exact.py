@@ -413,13 +413,22 @@ def means_from_fixed(
         scale = math.ldexp(1.0, -shift - extra)
         kernel = _kernel("mean", out.dtype) if source.numel() > _PIECE else None
         if kernel is not None:
-            # Each piece is read into a scratch before its results are written.
-            rounded = torch.empty(min(_MEAN_PIECE, source.numel()), dtype=out.dtype)
+            rounded: torch.Tensor | None = None
             factors = (_scalar(scale), _scalar(float(divisor)))
+            end = source.data_ptr() + source.numel() * source.element_size()
             for start in range(0, source.numel(), _MEAN_PIECE):
-                part = rounded[: min(_MEAN_PIECE, source.numel() - start)]
-                kernel(part, source[start : start + part.numel()], *factors)
-                target[start : start + part.numel()].copy_(part)
+                piece = source[start : start + _MEAN_PIECE]
+                place = target[start : start + piece.numel()]
+                lo = place.data_ptr()
+                if lo + place.numel() * place.element_size() <= piece.data_ptr() or lo >= end:
+                    kernel(place, piece, *factors)  # no byte of it is still to be read
+                    continue
+                # An out in its acc's first bytes: its first piece goes through a scratch.
+                if rounded is None:
+                    rounded = torch.empty(piece.numel(), dtype=out.dtype)
+                part = rounded[: piece.numel()]
+                kernel(part, piece, *factors)
+                place.copy_(part)
             continue
         for start in range(0, source.numel(), _PIECE):
             part = (source[start : start + _PIECE], scale, target[start : start + _PIECE])

@@ -116,15 +116,17 @@ def test_float64_accumulators_give_the_int64_sums_and_refuse_what_they_cannot_ho
 
 
 def _sum_large(terms: list[torch.Tensor], shift: int, refused: torch.Tensor) -> torch.Tensor:
-    """add_fixed_float over `terms` (first, middle, last), then `refused` (in the middle)."""
+    """add_fixed_float over `terms` (first, middle, last), with `refused` tried as a middle
+    term and as the last one."""
     acc = torch.full((terms[0].numel(),), 7.0, dtype=torch.float64)
     bound = 0.0
     for i, t in enumerate(terms):
-        if i == 1:
-            kept = refused.clone()
-            assert exact.add_fixed_float(acc, refused, shift, exact.FLOAT_EXACT - bound) is None
-            torch.testing.assert_close(refused, kept, rtol=0, atol=0, equal_nan=True)
         first, last = i == 0, i == len(terms) - 1
+        if i == 1 or last:
+            kept = refused.clone()
+            room = exact.FLOAT_EXACT - bound
+            assert exact.add_fixed_float(acc, refused, shift, room, last=last) is None
+            torch.testing.assert_close(refused, kept, rtol=0, atol=0, equal_nan=True)
         room = exact.FLOAT_EXACT - bound
         peak = exact.add_fixed_float(acc, t.clone(), shift, room, first=first, last=last)
         assert peak is not None
@@ -147,7 +149,6 @@ def test_the_compiled_pass_gives_the_eager_integers(monkeypatch, dtype):
     shift = exact.fixed_point_shift(max(t.abs().max().item() for t in terms))
     for refused in (terms[0] * 2.0**40, torch.where(terms[0] > 1, math.nan, terms[0])):
         assert exact._kernel("add", dtype) is not None
-        assert exact._kernel("mean", dtype) is not None  # (checked by the test of means)
         compiled = _sum_large(terms, shift, refused.clone())
         monkeypatch.setitem(exact._KERNELS, ("add", dtype), False)
         eager = _sum_large(terms, shift, refused.clone())
@@ -215,14 +216,19 @@ def test_many_tensors_at_once_give_one_at_a_time_bits():
             torch.testing.assert_close(left, t, rtol=0, atol=0, equal_nan=True)
 
 
-def test_means_at_once_give_mean_from_fixed_bits():
+@pytest.mark.parametrize("compiled", [True, False])
+def test_means_at_once_give_mean_from_fixed_bits(monkeypatch, compiled):
     """means_from_fixed gives mean_from_fixed's float32 means bitwise (counts that are powers of
     two, which it folds into the scaling, and counts that are not, which round), channels_last
-    and large tensors too; and again with each out in its own accumulator's first bytes, by
-    both."""
+    and large tensors too (by the compiled pass, and by eager operations); and again with each
+    out in its own accumulator's first bytes, by both functions."""
+    if compiled:
+        assert exact._kernel("mean", torch.float32) is not None
+    else:
+        monkeypatch.setitem(exact._KERNELS, ("mean", torch.float32), False)
     g = torch.Generator().manual_seed(4)
     for count in (1, 3, 8, 12):
-        shapes = [(1000,), (6, 5, 7, 11), (2,), (300, 1000)]
+        shapes = [(1000,), (6, 5, 7, 11), (2,), (1100, 1000)]
         accs, outs, want = [], [], []
         for shape in shapes:
             fmt = torch.channels_last if len(shape) == 4 else torch.contiguous_format
