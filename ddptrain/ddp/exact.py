@@ -22,6 +22,7 @@ wrapped around.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Iterable
@@ -151,16 +152,17 @@ def _fused_add(
     x: torch.Tensor,
     scale: torch.Tensor,
     limit: torch.Tensor,
-    first: torch.Tensor,
+    first: bool,
     last: torch.Tensor,
 ) -> torch.Tensor:
     """In one pass over int64 `acc`, which holds float64 integers: acc (+)= round(x * scale)
     clamped to +-limit (NaN as 0; `first`: =), written back as int64 if `last`, else as the
-    float64's bits. Returns max |x|. The flags are tensors: one compiled graph serves all."""
+    float64's bits. Returns max |x|. `last` is a tensor: one compiled graph serves both (a
+    first term's graph does not read acc)."""
     term = torch.round(x * scale).to(torch.float64)
     # Not nan_to_num: the compiler does not vectorize it (three times slower).
     term = torch.where(term == term, term, 0.0).clamp(-limit, limit)
-    total = torch.where(first, term, acc.view(torch.float64) + term)
+    total = term if first else acc.view(torch.float64) + term
     acc.copy_(torch.where(last, total.to(torch.int64), total.view(torch.int64)))
     return x.abs().amax()
 
@@ -168,6 +170,24 @@ def _fused_add(
 def _fused_mean(out: torch.Tensor, acc: torch.Tensor, scale: torch.Tensor, divisor: torch.Tensor):
     """out = acc * scale / divisor in float64, rounded to out's dtype, in one pass."""
     out.copy_((acc.to(torch.float64) * scale / divisor).to(out.dtype))
+
+
+class _Compiled:
+    """A compiled kernel called as it was compiled: without autograd, and without taking two
+    sizes that happen to be equal for the same symbol (duck shapes: a bucket slot's offset
+    and a gradient's length), either of which would compile it again."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        shapes: Any = contextlib.nullcontext()
+        with contextlib.suppress(ImportError):  # a private module: older torch may lack it
+            from torch.fx.experimental import _config
+
+            shapes = _config.patch(use_duck_shape=False)
+        with torch.no_grad(), shapes:
+            return self.fn(*args)
 
 
 # Per (kind, dtype): the compiled kernel, or False where torch.compile failed here.
@@ -185,18 +205,19 @@ def _kernel(kind: str, dtype: torch.dtype) -> Any:
     where eager operations take four passes over it, and gives the same bits."""
     if (kind, dtype) not in _KERNELS:
         fn = _fused_add if kind == "add" else _fused_mean
-        kernel = torch.compile(fn, dynamic=True, fullgraph=True)
+        kernel = _Compiled(torch.compile(fn, dynamic=True, fullgraph=True))
         acc = torch.zeros(64, dtype=torch.int64)
-        flags = (_scalar(True), _scalar(False))
         if kind == "add":
-            args = (acc, torch.ones(64, dtype=dtype), _scalar(1.0), _scalar(2.0), *flags)
+            x, factors = torch.ones(64, dtype=dtype), (_scalar(1.0), _scalar(2.0))
+            calls = [(acc, x, *factors, first, _scalar(False)) for first in (True, False)]
         else:
-            args = (torch.empty(64, dtype=dtype), acc, _scalar(1.0), _scalar(3.0))
+            calls = [(torch.empty(64, dtype=dtype), acc, _scalar(1.0), _scalar(3.0))]
         try:
             with warnings.catch_warnings():
                 # torch's compiler imports deprecated torch.jit names: not the user's concern.
                 warnings.simplefilter("ignore", DeprecationWarning)
-                kernel(*args)
+                for args in calls:
+                    kernel(*args)
             _KERNELS[kind, dtype] = kernel
         except Exception as e:  # no compiler, an unsupported platform: the eager way works
             said = False in _KERNELS.values()
@@ -236,7 +257,7 @@ def _add_fused(
     limit = min(room, math.ldexp(term_bound(shift), shift))
     scale = math.ldexp(1.0, shift)
     ints = target.view(torch.int64)
-    top = kernel(ints, flat, _scalar(scale), _scalar(limit), _scalar(first), _scalar(last))
+    top = kernel(ints, flat, _scalar(scale), _scalar(limit), first, _scalar(last))
     peak = math.ldexp(top.item(), shift)
     # Written so that NaN fails it.
     if not (peak <= room and peak <= math.ldexp(term_bound(shift), shift)):
