@@ -181,8 +181,8 @@ def summarize(
                     "deterministic_held_bytes": held["deterministic"],
                     "extra_held_grad_copies": (held["deterministic"] - held["default"])
                     / grad_bytes,
-                    # RSS the compiler of the exact mode's large-gradient pass keeps (its first
-                    # use in a process; 0 where no parameter is large enough to take it).
+                    # RSS gained over the warm-up before the baseline: a throwaway model built
+                    # and, where it has large parameters, the exact mode's pass compiled.
                     "compiler_rss_bytes": max(
                         r.get("compiler_bytes", 0) for m in MODES for r in ranks[m]
                     ),
