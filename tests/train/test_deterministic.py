@@ -79,7 +79,11 @@ def _loop(
     one backward each under no_sync(), the last synchronized; with max_norm, the gradients
     clipped to it before each step (as the Trainer clips them)."""
     torch.manual_seed(0)
-    net = LeNet(dropout=0.3, width=1, batchnorm=True) if kind == "lenet" else TiedBranchNet()
+    if kind == "lenet":
+        net = LeNet(dropout=0.3, width=1, batchnorm=True)
+    else:
+        # "wide": layers of 360,000 weights, past a piece: they take the compiled passes.
+        net = TiedBranchNet(dim=600 if kind == "wide" else 16)
     if stage >= 2:
         model = ddptrain.FSDP(
             net, deterministic=True, reshard_after_forward=stage == 3, unit_min_numel=100
@@ -129,6 +133,10 @@ def _case_lenet(info) -> dict:
 
 def _case_tied_branch(info) -> dict:
     return _loop(info, "tied")
+
+
+def _case_wide(info) -> dict:
+    return _loop(info, "wide")
 
 
 def _case_float_sums(info) -> dict:
@@ -200,6 +208,7 @@ CASES = {
     "lenet": _case_lenet,
     "guide_loop": _case_guide_loop,
     "tied_branch": _case_tied_branch,
+    "wide": _case_wide,
     "float_sums": _case_float_sums,
     "stages": _case_stages,
     "tied_stages": _case_tied_stages,
@@ -207,7 +216,7 @@ CASES = {
 }
 BY_WORLD = {
     1: list(CASES),
-    2: ["lenet", "tied_branch", "tied_stages"],
+    2: ["lenet", "tied_branch", "wide", "tied_stages"],
     3: list(CASES),
     4: ["lenet", "tied_branch", "guide_loop", "tied_stages"],
 }
@@ -225,6 +234,13 @@ def test_the_users_loop_ends_on_the_same_bits_at_world_sizes_1_to_4(world, kind)
     assert len(set.union(*digests.values())) == 1, digests
     if kind == "tied_branch":
         assert all(r["never_used_grad"] is None for r in worlds.outcome(world(3), kind))
+
+
+def test_layers_past_a_piece_end_on_the_same_bits_at_world_sizes_1_2_3(world):
+    """The tied-branch model with layers of 360,000 weights, whose sums and means go through
+    the compiled passes: the same bits at world sizes 1, 2 and 3."""
+    digests = {r["state"] for ws in (1, 2, 3) for r in worlds.outcome(world(ws), "wide")}
+    assert len(digests) == 1, digests
 
 
 def test_the_guides_own_loop_ends_on_the_same_bits_at_world_sizes_1_3_4(world):
