@@ -22,15 +22,14 @@ wrapped around.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ddptrain.ddp import compiled
 from ddptrain.ddp.buckets import memory_format, memory_order
 
 # A term may be this many powers of two above the reference before it overflows.
@@ -44,8 +43,6 @@ FLOAT_EXACT = 2.0**53
 # Elements per piece converted at once: the piece stays in cache across its operations, and
 # each operation is long enough that its dispatch costs little.
 _PIECE = 1 << 18
-# Elements a compiled mean converts at once: its scratch (4 MiB in float32), few calls.
-_MEAN_PIECE = 1 << 20
 
 
 def fixed_point_shift(reference: float) -> int:
@@ -123,7 +120,7 @@ def add_fixed_float(
     if not flat.numel():
         return 0.0
     if flat.numel() > _PIECE and flat.device.type == "cpu":
-        kernel = _kernel("add", flat.dtype)
+        kernel = compiled.kernel("add", flat.dtype)
         if kernel is not None:
             return _add_fused(kernel, target, flat, shift, room, first, last)
     lo, hi = (v.item() for v in torch.aminmax(flat))
@@ -147,98 +144,13 @@ def add_fixed_float(
     return peak
 
 
-def _fused_add(
-    acc: torch.Tensor,
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    limit: torch.Tensor,
-    first: bool,
-    last: torch.Tensor,
-) -> torch.Tensor:
-    """In one pass over int64 `acc`, which holds float64 integers: acc (+)= round(x * scale)
-    clamped to +-limit (NaN as 0; `first`: =), written back as int64 if `last`, else as the
-    float64's bits. Returns max |x|. `last` is a tensor: one compiled graph serves both (a
-    first term's graph does not read acc)."""
-    term = torch.round(x * scale).to(torch.float64)
-    # Not nan_to_num: the compiler does not vectorize it (three times slower).
-    term = torch.where(term == term, term, 0.0).clamp(-limit, limit)
-    total = term if first else acc.view(torch.float64) + term
-    acc.copy_(torch.where(last, total.to(torch.int64), total.view(torch.int64)))
-    return x.abs().amax()
-
-
-def _fused_mean(out: torch.Tensor, acc: torch.Tensor, scale: torch.Tensor, divisor: torch.Tensor):
-    """out = acc * scale / divisor in float64, rounded to out's dtype, in one pass."""
-    out.copy_((acc.to(torch.float64) * scale / divisor).to(out.dtype))
-
-
-class _Compiled:
-    """A compiled kernel called as it was compiled: without autograd, and without taking two
-    sizes that happen to be equal for the same symbol (duck shapes: a bucket slot's offset
-    and a gradient's length), either of which would compile it again."""
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any) -> Any:
-        shapes: Any = contextlib.nullcontext()
-        with contextlib.suppress(ImportError):  # a private module: older torch may lack it
-            from torch.fx.experimental import _config
-
-            shapes = _config.patch(use_duck_shape=False)
-        with torch.no_grad(), shapes:
-            return self.fn(*args)
-
-
-# Per (kind, dtype): the compiled kernel, or False where torch.compile failed here.
-_KERNELS: dict[tuple[str, torch.dtype], Any] = {}
-
-
-def _scalar(value: float | bool) -> torch.Tensor:
-    """A kernel's argument: a tensor, so that a new value needs no new compilation."""
-    return torch.tensor(value, dtype=torch.bool if isinstance(value, bool) else torch.float64)
-
-
-def _kernel(kind: str, dtype: torch.dtype) -> Any:
-    """_fused_add ("add", for `dtype` gradients) or _fused_mean ("mean", into `dtype`),
-    compiled (tried once, on scratch tensors), or None: a compiled pass reads a gradient once
-    where eager operations take four passes over it, and gives the same bits."""
-    if (kind, dtype) not in _KERNELS:
-        fn = _fused_add if kind == "add" else _fused_mean
-        kernel = _Compiled(torch.compile(fn, dynamic=True, fullgraph=True))
-        acc = torch.zeros(64, dtype=torch.int64)
-        if kind == "add":
-            x, factors = torch.ones(64, dtype=dtype), (_scalar(1.0), _scalar(2.0))
-            calls = [(acc, x, *factors, first, _scalar(False)) for first in (True, False)]
-        else:
-            calls = [(torch.empty(64, dtype=dtype), acc, _scalar(1.0), _scalar(3.0))]
-        try:
-            with warnings.catch_warnings():
-                # torch's compiler imports deprecated torch.jit names: not the user's concern.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                for args in calls:
-                    kernel(*args)
-            _KERNELS[kind, dtype] = kernel
-        except Exception as e:  # no compiler, an unsupported platform: the eager way works
-            said = False in _KERNELS.values()
-            _KERNELS[kind, dtype] = False
-            if not said:
-                warnings.warn(
-                    f"deterministic mode: torch.compile is unavailable here "
-                    f"({type(e).__name__}); large gradients are rounded by eager operations, "
-                    "about twice as slow",
-                    stacklevel=2,
-                )
-    return _KERNELS[kind, dtype] or None
-
-
 def warm_up(tensors: Iterable[torch.Tensor]) -> bool:
     """Compile now the passes the large ones among `tensors` (CPU float gradients of more than
     2**18 elements) will take (seconds, once per process and dtype) rather than in the first
     step; False where torch.compile is unavailable (the eager operations then do their work)."""
     large = [t for t in tensors if t.device.type == "cpu" and t.numel() > _PIECE]
     dtypes = {t.dtype for t in large if t.dtype in (torch.float32, torch.float64)}
-    kernels = [_kernel(kind, dtype) for dtype in dtypes for kind in ("add", "mean")]
+    kernels = [compiled.kernel(kind, dtype) for dtype in dtypes for kind in ("add", "mean")]
     return all(k is not None for k in kernels)
 
 
@@ -257,7 +169,9 @@ def _add_fused(
     limit = min(room, math.ldexp(term_bound(shift), shift))
     scale = math.ldexp(1.0, shift)
     ints = target.view(torch.int64)
-    top = kernel(ints, flat, _scalar(scale), _scalar(limit), first, _scalar(last))
+    top = kernel(
+        ints, flat, compiled.scalar(scale), compiled.scalar(limit), first, compiled.scalar(last)
+    )
     peak = math.ldexp(top.item(), shift)
     # Written so that NaN fails it.
     if not (peak <= room and peak <= math.ldexp(term_bound(shift), shift)):
@@ -432,24 +346,9 @@ def means_from_fixed(
             continue
         source, target = memory_order(acc), memory_order(out)
         scale = math.ldexp(1.0, -shift - extra)
-        kernel = _kernel("mean", out.dtype) if source.numel() > _PIECE else None
+        kernel = compiled.kernel("mean", out.dtype) if source.numel() > _PIECE else None
         if kernel is not None:
-            rounded: torch.Tensor | None = None
-            factors = (_scalar(scale), _scalar(float(divisor)))
-            end = source.data_ptr() + source.numel() * source.element_size()
-            for start in range(0, source.numel(), _MEAN_PIECE):
-                piece = source[start : start + _MEAN_PIECE]
-                place = target[start : start + piece.numel()]
-                lo = place.data_ptr()
-                if lo + place.numel() * place.element_size() <= piece.data_ptr() or lo >= end:
-                    kernel(place, piece, *factors)  # no byte of it is still to be read
-                    continue
-                # An out in its acc's first bytes: its first piece goes through a scratch.
-                if rounded is None:
-                    rounded = torch.empty(piece.numel(), dtype=out.dtype)
-                part = rounded[: piece.numel()]
-                kernel(part, piece, *factors)
-                place.copy_(part)
+            compiled.means(kernel, source, target, scale, divisor)
             continue
         for start in range(0, source.numel(), _PIECE):
             part = (source[start : start + _PIECE], scale, target[start : start + _PIECE])

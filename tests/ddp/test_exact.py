@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from ddptrain.ddp import exact
+from ddptrain.ddp import compiled, exact
 
 
 def _terms(n: int = 12, numel: int = 70_001) -> list[torch.Tensor]:
@@ -148,18 +148,18 @@ def test_the_compiled_pass_gives_the_eager_integers(monkeypatch, dtype):
     ]
     shift = exact.fixed_point_shift(max(t.abs().max().item() for t in terms))
     for refused in (terms[0] * 2.0**40, torch.where(terms[0] > 1, math.nan, terms[0])):
-        assert exact._kernel("add", dtype) is not None
-        compiled = _sum_large(terms, shift, refused.clone())
-        monkeypatch.setitem(exact._KERNELS, ("add", dtype), False)
+        assert compiled.kernel("add", dtype) is not None
+        in_one_pass = _sum_large(terms, shift, refused.clone())
+        monkeypatch.setitem(compiled.KERNELS, ("add", dtype), False)
         eager = _sum_large(terms, shift, refused.clone())
         monkeypatch.undo()
-        assert torch.equal(compiled, eager)
+        assert torch.equal(in_one_pass, eager)
         ints = torch.zeros(numel, dtype=torch.int64)
         for t in terms:
             kept = t.clone()
             assert not exact.add_fixed(ints, t, shift)
             assert torch.equal(t, kept)
-        assert torch.equal(compiled, ints)
+        assert torch.equal(in_one_pass, ints)
 
 
 def test_exact_norm_is_the_same_bits_however_the_gradient_is_split():
@@ -216,16 +216,16 @@ def test_many_tensors_at_once_give_one_at_a_time_bits():
             torch.testing.assert_close(left, t, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_means_at_once_give_mean_from_fixed_bits(monkeypatch, compiled):
+@pytest.mark.parametrize("in_one_pass", [True, False])
+def test_means_at_once_give_mean_from_fixed_bits(monkeypatch, in_one_pass):
     """means_from_fixed gives mean_from_fixed's float32 means bitwise (counts that are powers of
     two, which it folds into the scaling, and counts that are not, which round), channels_last
     and large tensors too (by the compiled pass, and by eager operations); and again with each
     out in its own accumulator's first bytes, by both functions."""
-    if compiled:
-        assert exact._kernel("mean", torch.float32) is not None
+    if in_one_pass:
+        assert compiled.kernel("mean", torch.float32) is not None
     else:
-        monkeypatch.setitem(exact._KERNELS, ("mean", torch.float32), False)
+        monkeypatch.setitem(compiled.KERNELS, ("mean", torch.float32), False)
     g = torch.Generator().manual_seed(4)
     for count in (1, 3, 8, 12):
         shapes = [(1000,), (6, 5, 7, 11), (2,), (1100, 1000)]
