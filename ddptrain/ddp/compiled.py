@@ -6,9 +6,9 @@ operations take four, the same bits.
     mean = kernel("mean", torch.float32)
     mean(out, sums_int64, scalar(2.0**-shift), scalar(count))
 
-Each kernel is compiled once per process and dtype (seconds; about 75 MiB of compiler heap),
-on scratch tensors, with dynamic sizes; its scalars are tensors, so a new value is not a new
-compilation.
+Each kernel is compiled once per process and dtype, on scratch tensors, with dynamic sizes
+(the cost is in docs/guide.md, "Same bits at any world size"); its scalars are tensors, so a
+new value is not a new compilation.
 """
 
 from __future__ import annotations

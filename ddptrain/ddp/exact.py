@@ -146,7 +146,7 @@ def add_fixed_float(
 
 def warm_up(tensors: Iterable[torch.Tensor]) -> bool:
     """Compile now the passes the large ones among `tensors` (CPU float gradients of more than
-    2**18 elements) will take (seconds, once per process and dtype) rather than in the first
+    2**18 elements) will take (once per process and dtype) rather than in the first
     step; False where torch.compile is unavailable (the eager operations then do their work)."""
     large = [t for t in tensors if t.device.type == "cpu" and t.numel() > _PIECE]
     dtypes = {t.dtype for t in large if t.dtype in (torch.float32, torch.float64)}

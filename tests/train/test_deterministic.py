@@ -135,8 +135,12 @@ def _case_tied_branch(info) -> dict:
     return _loop(info, "tied")
 
 
-def _case_wide(info) -> dict:
-    return _loop(info, "wide")
+def _wide_world() -> dict:
+    info = ddptrain.init_distributed()
+    try:
+        return _loop(info, "wide")
+    finally:
+        ddptrain.shutdown()
 
 
 def _case_float_sums(info) -> dict:
@@ -208,7 +212,6 @@ CASES = {
     "lenet": _case_lenet,
     "guide_loop": _case_guide_loop,
     "tied_branch": _case_tied_branch,
-    "wide": _case_wide,
     "float_sums": _case_float_sums,
     "stages": _case_stages,
     "tied_stages": _case_tied_stages,
@@ -216,7 +219,7 @@ CASES = {
 }
 BY_WORLD = {
     1: list(CASES),
-    2: ["lenet", "tied_branch", "wide", "tied_stages"],
+    2: ["lenet", "tied_branch", "tied_stages"],
     3: list(CASES),
     4: ["lenet", "tied_branch", "guide_loop", "tied_stages"],
 }
@@ -236,10 +239,14 @@ def test_the_users_loop_ends_on_the_same_bits_at_world_sizes_1_to_4(world, kind)
         assert all(r["never_used_grad"] is None for r in worlds.outcome(world(3), kind))
 
 
-def test_layers_past_a_piece_end_on_the_same_bits_at_world_sizes_1_2_3(world):
+@pytest.mark.slow
+def test_layers_past_a_piece_end_on_the_same_bits_at_world_sizes_1_2_3():
     """The tied-branch model with layers of 360,000 weights, whose sums and means go through
-    the compiled passes: the same bits at world sizes 1, 2 and 3."""
-    digests = {r["state"] for ws in (1, 2, 3) for r in worlds.outcome(world(ws), "wide")}
+    the compiled passes: the same bits at world sizes 1, 2 and 3. (Slow: each rank compiles,
+    about 20 s on 2 cores with a cold compiler cache.)"""
+    digests = set()
+    for ws in (1, 2, 3):
+        digests |= {r["state"] for r in ddptrain.spawn(_wide_world, ws, timeout_s=300)}
     assert len(digests) == 1, digests
 
 
