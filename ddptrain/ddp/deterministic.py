@@ -187,8 +187,11 @@ class ExactReducer(Reducer):
         raw = memory_order(slot).view(torch.uint8)[: p.numel() * p.element_size()]
         return view_like(raw.view(p.dtype), p)
 
+    def _in_slots(self, grad: torch.Tensor) -> bool:
+        return grad.untyped_storage().data_ptr() in self._slot_storages
+
     def _wait(self, index: int, grad: torch.Tensor) -> None:
-        if grad.untyped_storage().data_ptr() in self._slot_storages:
+        if self._in_slots(grad):
             # Last step's mean, kept (zero_grad(set_to_none=False)) and added to in its slot:
             # the slot is about to take this step's terms.
             grad = grad.clone()
@@ -291,6 +294,10 @@ class ExactReducer(Reducer):
                     if self._written[i]:
                         self._to_fixed(i)
                     else:
+                        grad = self.params[i].grad
+                        if grad is not None and self._in_slots(grad):
+                            # Kept from the last step, not added to in this one: it stays.
+                            self.params[i].grad = grad.clone()
                         self._views[i].zero_()  # no micro-batch of this rank reached it
                     self._bucket_of[i].arrived()
             self._launch_ready_buckets()

@@ -107,3 +107,42 @@ def test_a_grad_kept_between_steps_gives_the_same_bits(runs):
     for rank in runs:
         kept, dropped = rank["kept"]["params"], rank["dropped"]["params"]
         assert all(torch.equal(a, b) for a, b in zip(kept, dropped, strict=True))
+
+
+class _Branchy(nn.Module):
+    """A layer every step uses and a branch only the steps marked `branch` take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.branch = nn.Linear(6, 3), nn.Linear(6, 3)
+        self.take_branch = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) + (self.branch(x) if self.take_branch else 0)
+
+
+def _kept_branch_grad() -> dict:
+    """Step 0 takes the branch, step 1 does not; no zero_grad between them."""
+    info = ddptrain.init_distributed()
+    net = _Branchy()
+    model = ddptrain.DDP(net, deterministic=True)
+    after = []
+    for step in range(2):
+        net.take_branch = step == 0
+        for j in range(PER_RANK):
+            with contextlib.nullcontext() if j == PER_RANK - 1 else model.no_sync():
+                x, y = _micro_batch(step, j * info.world_size + info.rank)
+                F.cross_entropy(model(x), y).backward()
+        after.append(net.branch.weight.grad.clone())
+    ddptrain.shutdown()
+    return {"after": after}
+
+
+def test_a_kept_grad_of_a_layer_the_next_step_skips_stays_as_it_was():
+    """Without zero_grad, a layer no micro-batch of the next step reaches keeps its .grad (as
+    under torch's DDP), though that .grad lay in the slot the next step zeroes and sums."""
+    for rank in ddptrain.spawn(_kept_branch_grad, WORLD, timeout_s=240):
+        first, second = rank["after"]
+        assert first.abs().sum() > 0
+        assert torch.equal(first, second)
