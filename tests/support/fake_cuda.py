@@ -3,22 +3,37 @@
     cuda = FakeCuda(peak_bytes=123)
     meter = CudaMeter(cuda)          # ddptrain/plan/meter.py, driven on CPU tensors
     cuda.calls                       # ["synchronize", "record", ...] in order
+    FakeCuda(clock=ticks())          # each event 1 ms after the last: timings exact
 
 The CPU runs each operation before returning, so an event's device time is the host clock when
-it was recorded. As on CUDA, an event's elapsed_time may be read only once a synchronize has
-followed its record (torch raises "Both events must be completed" otherwise), and only events
-made with enable_timing=True can be timed.
+it was recorded (or a tick clock's next value). As on CUDA, an event's elapsed_time may be read
+only once a synchronize has followed its record (torch raises "Both events must be completed"
+otherwise), and only events made with enable_timing=True can be timed.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Callable
+
+
+def ticks(seconds: float = 1e-3) -> Callable[[], float]:
+    """A clock that advances `seconds` at each reading: every step of a loop that records the
+    same events takes the same time, whatever the machine's load."""
+    counter = itertools.count()
+    return lambda: next(counter) * seconds
 
 
 class FakeCuda:
     """torch.cuda's synchronize, Event and memory statistics, for a CPU process."""
 
-    def __init__(self, peak_bytes: int = 0, allocated_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        peak_bytes: int = 0,
+        allocated_bytes: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.calls: list[str] = []
         self.peak = peak_bytes
         self.allocated = allocated_bytes
@@ -36,7 +51,7 @@ class FakeCuda:
             def record(self) -> None:
                 cuda.calls.append("record")
                 cuda.recorded += 1
-                self.index, self.at = cuda.recorded, time.perf_counter()
+                self.index, self.at = cuda.recorded, clock()
 
             def elapsed_time(self, end: Event) -> float:
                 for e in (self, end):
@@ -69,13 +84,14 @@ def measure_with_fake_cuda(
     setups: list[dict], peak_bytes: int, allocated_bytes: int
 ) -> list[tuple[dict, list[str]]]:
     """In a spawned rank: each setup's profile fields measured by the CUDA meter over a
-    FakeCuda, with the calls it made."""
+    FakeCuda on a tick clock (so the load of the machine does not move the spans), with the
+    calls it made."""
     from ddptrain.plan.meter import CudaMeter
     from ddptrain.plan.profile import measure
     from ddptrain.plan.setup import Setup
 
     out = []
     for setup in setups:
-        cuda = FakeCuda(peak_bytes, allocated_bytes)
+        cuda = FakeCuda(peak_bytes, allocated_bytes, clock=ticks())
         out.append((measure(Setup(**setup), CudaMeter(cuda)), cuda.calls))
     return out
