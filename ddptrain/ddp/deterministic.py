@@ -148,6 +148,8 @@ class ExactReducer(Reducer):
         self.used[index] = True
         if not self._in_backward:
             self._in_backward = True
+            if not self.micro_batches:
+                self._move_kept_grads()
             self.micro_batches += 1
             if self.sync:
                 self._start_reducing(index)
@@ -187,14 +189,15 @@ class ExactReducer(Reducer):
         raw = memory_order(slot).view(torch.uint8)[: p.numel() * p.element_size()]
         return view_like(raw.view(p.dtype), p)
 
-    def _in_slots(self, grad: torch.Tensor) -> bool:
-        return grad.untyped_storage().data_ptr() in self._slot_storages
+    def _move_kept_grads(self) -> None:
+        """A step begins: a .grad kept from the last one (no zero_grad, or
+        zero_grad(set_to_none=False)) still lies in its slot, which this step writes; it moves
+        out, and autograd adds to it there."""
+        for p in self.params:
+            if p.grad is not None and p.grad.untyped_storage().data_ptr() in self._slot_storages:
+                p.grad = p.grad.clone()
 
     def _wait(self, index: int, grad: torch.Tensor) -> None:
-        if self._in_slots(grad):
-            # Last step's mean, kept (zero_grad(set_to_none=False)) and added to in its slot:
-            # the slot is about to take this step's terms.
-            grad = grad.clone()
         self._waiting.append((index, grad))
         self._waiting_numel += grad.numel()
 
@@ -280,6 +283,8 @@ class ExactReducer(Reducer):
     def _finalize_buckets(self) -> None:
         self.synchronized_once = True
         try:
+            if not self.micro_batches:
+                self._move_kept_grads()  # a backward that reached no parameter
             if self.shifts is None:
                 first_backward = self._agreement is None
                 if first_backward:
@@ -294,10 +299,6 @@ class ExactReducer(Reducer):
                     if self._written[i]:
                         self._to_fixed(i)
                     else:
-                        grad = self.params[i].grad
-                        if grad is not None and self._in_slots(grad):
-                            # Kept from the last step, not added to in this one: it stays.
-                            self.params[i].grad = grad.clone()
                         self._views[i].zero_()  # no micro-batch of this rank reached it
                     self._bucket_of[i].arrived()
             self._launch_ready_buckets()
@@ -324,7 +325,7 @@ class ExactReducer(Reducer):
                     grad.fill_(math.inf)
             else:
                 # Each mean is written over its spent sum; the next step's first terms overwrite
-                # it (a .grad kept until then is moved aside first: _wait).
+                # it (a .grad kept until then is moved out first: _move_kept_grads).
                 views, shifts = [self._views[i] for i in used], [self.shifts[i] for i in used]
                 means_from_fixed(views, shifts, count, grads)
             slots = self._slot_storages

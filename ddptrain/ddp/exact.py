@@ -41,8 +41,9 @@ _VALUE_BITS = 62
 # Integers a float64 holds exactly, sums of them included.
 FLOAT_EXACT = 2.0**53
 # Elements per piece converted at once: the piece stays in cache across its operations, and
-# each operation is long enough that its dispatch costs little.
-_PIECE = 1 << 18
+# each operation is long enough that its dispatch costs little. A CPU tensor of more elements
+# takes the compiled passes (compiled.py).
+PIECE = 1 << 18
 
 
 def fixed_point_shift(reference: float) -> int:
@@ -86,9 +87,9 @@ def add_fixed(
     overflow = torch.logical_not((lo >= -bound) & (hi <= bound))
     scale = math.ldexp(1.0, shift)
     limit = bound * scale
-    for start in range(0, flat.numel(), _PIECE):
+    for start in range(0, flat.numel(), PIECE):
         # float64 holds every float32 times a power of two exactly; round half to even.
-        piece = flat[start : start + _PIECE].to(torch.float64, copy=True)
+        piece = flat[start : start + PIECE].to(torch.float64, copy=True)
         piece.mul_(scale).clamp_(-limit, limit).round_()
         out = target[start : start + piece.numel()]
         if first:
@@ -119,7 +120,7 @@ def add_fixed_float(
     flat, target = _flat_pair(acc, grad)
     if not flat.numel():
         return 0.0
-    if flat.numel() > _PIECE and flat.device.type == "cpu":
+    if flat.numel() > PIECE and flat.device.type == "cpu":
         kernel = compiled.kernel("add", flat.dtype)
         if kernel is not None:
             return _add_fused(kernel, target, flat, shift, room, first, last)
@@ -130,9 +131,9 @@ def add_fixed_float(
         return None
     scale = math.ldexp(1.0, shift)
     ints = target.view(torch.int64)
-    for start in range(0, flat.numel(), _PIECE):
+    for start in range(0, flat.numel(), PIECE):
         # A float32 times a power of two it can hold is exact; round half to even.
-        piece = flat[start : start + _PIECE].mul_(scale).round_()
+        piece = flat[start : start + PIECE].mul_(scale).round_()
         n = piece.numel()
         if first:
             target[start : start + n].copy_(piece)
@@ -148,7 +149,7 @@ def warm_up(tensors: Iterable[torch.Tensor]) -> bool:
     """Compile now the passes the large ones among `tensors` (CPU float gradients of more than
     2**18 elements) will take (once per process and dtype) rather than in the first
     step; False where torch.compile is unavailable (the eager operations then do their work)."""
-    large = [t for t in tensors if t.device.type == "cpu" and t.numel() > _PIECE]
+    large = [t for t in tensors if t.device.type == "cpu" and t.numel() > PIECE]
     dtypes = {t.dtype for t in large if t.dtype in (torch.float32, torch.float64)}
     kernels = [compiled.kernel(kind, dtype) for dtype in dtypes for kind in ("add", "mean")]
     return all(k is not None for k in kernels)
@@ -177,8 +178,8 @@ def _add_fused(
     if not (peak <= room and peak <= math.ldexp(term_bound(shift), shift)):
         if first:
             return None  # it wrote over what acc held, which was not to be kept
-        for start in range(0, flat.numel(), _PIECE):
-            piece = flat[start : start + _PIECE].to(torch.float64, copy=True)
+        for start in range(0, flat.numel(), PIECE):
+            piece = flat[start : start + PIECE].to(torch.float64, copy=True)
             piece.mul_(scale).round_().nan_to_num_(0.0).clamp_(-limit, limit)
             n = piece.numel()
             if last:  # back from int64; same-size elements, each read before it is written
@@ -194,9 +195,9 @@ def largest_magnitudes(tensors: list[torch.Tensor]) -> torch.Tensor:
     """max |x| of each tensor (none empty) as one float64 tensor, NaN where one holds a NaN:
     the small ones in one call per operation, a large one in one pass, with no copy of it."""
     tops: list[torch.Tensor | None] = [None] * len(tensors)
-    small = [i for i, t in enumerate(tensors) if t.numel() <= _PIECE]
+    small = [i for i, t in enumerate(tensors) if t.numel() <= PIECE]
     for i, t in enumerate(tensors):
-        if t.numel() > _PIECE:
+        if t.numel() > PIECE:
             lo, hi = torch.aminmax(t.detach())
             tops[i] = torch.maximum(-lo, hi)
     if small:
@@ -222,7 +223,7 @@ def add_fixed_floats(
     peaks: list[float | None] = [None] * len(grads)
     todo = []
     for i, (grad, shift) in enumerate(zip(grads, shifts, strict=True)):
-        if grad.numel() > _PIECE:
+        if grad.numel() > PIECE:
             peaks[i] = add_fixed_float(accs[i], grad, shift, rooms[i], first=firsts[i], last=last)
         elif grad.dtype in (torch.float32, torch.float64) and -126 <= shift <= 127:
             if grad.numel():
@@ -273,10 +274,10 @@ def mean_from_fixed(acc: torch.Tensor, shift: int, count: int, out: torch.Tensor
     flat_out = memory_order(out) if out.stride() == acc.stride() else None
     source = memory_order(acc)
     scale = math.ldexp(1.0, -shift)
-    piece = torch.empty(min(_PIECE, source.numel()), dtype=torch.float64, device=acc.device)
+    piece = torch.empty(min(PIECE, source.numel()), dtype=torch.float64, device=acc.device)
     result = []
-    for start in range(0, source.numel(), _PIECE):
-        n = min(_PIECE, source.numel() - start)
+    for start in range(0, source.numel(), PIECE):
+        n = min(PIECE, source.numel() - start)
         p = piece[:n]
         p.copy_(source[start : start + n]).mul_(scale).div_(count)
         if flat_out is not None:
@@ -290,7 +291,7 @@ def mean_from_fixed(acc: torch.Tensor, shift: int, count: int, out: torch.Tensor
 def _piece_size(device: torch.device) -> int:
     """Elements converted at once: on a CPU a piece that stays in cache; on a GPU a large one,
     each operation being a kernel launch whose cost the CPU pays whatever its size."""
-    return _PIECE if device.type == "cpu" else 1 << 24
+    return PIECE if device.type == "cpu" else 1 << 24
 
 
 def _pieces(tensors: list[torch.Tensor], size: int):
@@ -324,7 +325,7 @@ def means_from_fixed(
     power_of_two = count > 0 and count & (count - 1) == 0
     divisor, extra = (1, count.bit_length() - 1) if power_of_two else (count, 0)
     on_cpu = sum(acc.numel() for acc in accs if acc.device.type == "cpu")
-    scratch = torch.empty(min(_PIECE, on_cpu), dtype=torch.float64)
+    scratch = torch.empty(min(PIECE, on_cpu), dtype=torch.float64)
     group: list[tuple[torch.Tensor, float, torch.Tensor]] = []
     held = 0
 
@@ -346,13 +347,13 @@ def means_from_fixed(
             continue
         source, target = memory_order(acc), memory_order(out)
         scale = math.ldexp(1.0, -shift - extra)
-        kernel = compiled.kernel("mean", out.dtype) if source.numel() > _PIECE else None
+        kernel = compiled.kernel("mean", out.dtype) if source.numel() > PIECE else None
         if kernel is not None:
             compiled.means(kernel, source, target, scale, divisor)
             continue
-        for start in range(0, source.numel(), _PIECE):
-            part = (source[start : start + _PIECE], scale, target[start : start + _PIECE])
-            if held + part[0].numel() > _PIECE:
+        for start in range(0, source.numel(), PIECE):
+            part = (source[start : start + PIECE], scale, target[start : start + PIECE])
+            if held + part[0].numel() > PIECE:
                 convert(group)
                 group, held = [], 0
             group.append(part)

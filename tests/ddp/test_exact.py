@@ -141,7 +141,7 @@ def test_the_compiled_pass_gives_the_eager_integers(monkeypatch, dtype):
     added it, clamped, and takes it back; or a NaN) leaves the sum as it was; add_fixed leaves
     its term as it was, a float64 one too."""
     g = torch.Generator().manual_seed(5)
-    numel = 3 * exact._PIECE + 17
+    numel = 3 * exact.PIECE + 17
     terms = [
         (torch.randn(numel, generator=g) * 10 ** (-6 * torch.rand(numel, generator=g))).to(dtype)
         for _ in range(4)
