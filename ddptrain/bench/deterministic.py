@@ -48,6 +48,7 @@ from ddptrain.bench.memory import (
     keep_freed_memory,
     reset_peak_rss,
     return_freed_memory,
+    shm_mapped_bytes,
     status_field,
 )
 from ddptrain.bench.models import MODELS
@@ -118,6 +119,12 @@ def held_bytes(model: ddptrain.DDP) -> int:
     return held
 
 
+def _shared_rows_bytes() -> int:
+    """Bytes of this process's mappings of the shared-memory transport's files."""
+    with open("/proc/self/maps") as f:
+        return shm_mapped_bytes(f.read())
+
+
 def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, int]:
     freed_at_once = return_freed_memory()
     torch.set_num_threads(1)
@@ -131,6 +138,7 @@ def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, 
     exact.warm_up(MODELS[name][0]().parameters())
     compiler = status_field("VmRSS") - before_compiler
     before_model, code_before = status_field("VmRSS"), status_field("RssFile")
+    shared_before, rows_before = status_field("RssShmem"), _shared_rows_bytes()
     model, opt = _wrap(name, mode)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     reset = reset_peak_rss()
@@ -138,8 +146,14 @@ def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, 
         _step(model, opt, batches, mode == "deterministic")
     # Library code paged in by kernels only one mode runs is file-backed: not held memory.
     code = status_field("RssFile") - code_before
+    peak = status_field("VmHWM") - before_model - code if reset else 0
+    # The shared rows' pages this rank touched (its own, and parts of the others' that it
+    # sums or writes: still there at the end), counted instead as its share of the host's.
+    touched = status_field("RssShmem") - shared_before
+    share = (_shared_rows_bytes() - rows_before) // info.world_size
     return {
-        "train_peak_bytes": status_field("VmHWM") - before_model - code if reset else 0,
+        "train_peak_bytes": peak,
+        "train_peak_share_bytes": peak - touched + share if reset else 0,
         "held_bytes": held_bytes(model),
         "grad_bytes": grad_bytes,
         "compiler_bytes": compiler,
@@ -162,6 +176,7 @@ def summarize(
             )
             ranks = memory[name][world_size]
             peak = {m: max(r["train_peak_bytes"] for r in ranks[m]) for m in MODES}
+            share = {m: max(r["train_peak_share_bytes"] for r in ranks[m]) for m in MODES}
             held = {m: max(r["held_bytes"] for r in ranks[m]) for m in MODES}
             grad_bytes = ranks["default"][0]["grad_bytes"]
             rows.append(
@@ -177,6 +192,10 @@ def summarize(
                     "default_train_peak_bytes": peak["default"],
                     "deterministic_train_peak_bytes": peak["deterministic"],
                     "extra_grad_copies": (peak["deterministic"] - peak["default"]) / grad_bytes,
+                    "default_train_peak_share_bytes": share["default"],
+                    "deterministic_train_peak_share_bytes": share["deterministic"],
+                    "extra_share_grad_copies": (share["deterministic"] - share["default"])
+                    / grad_bytes,
                     "default_held_bytes": held["default"],
                     "deterministic_held_bytes": held["deterministic"],
                     "extra_held_grad_copies": (held["deterministic"] - held["default"])
@@ -196,7 +215,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"{'model':<13} {'ws':>2} {'mb/rank':>7} {'default ms':>10} {'determ. ms':>10} "
         f"{'ratio':>6} {'grad MiB':>8} {'peak default':>12} {'peak determ.':>12} {'extra':>6} "
-        f"{'held':>6}"
+        f"{'share':>6} {'held':>6}"
     ]
     for r in result["rows"]:
         lines.append(
@@ -204,11 +223,13 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['default_ms']:>10.2f} {r['deterministic_ms']:>10.2f} {r['ratio']:>5.3f}x "
             f"{r['grad_bytes'] / _MIB:>8.2f} {r['default_train_peak_bytes'] / _MIB:>12.2f} "
             f"{r['deterministic_train_peak_bytes'] / _MIB:>12.2f} "
-            f"{r['extra_grad_copies']:>+6.2f} {r['extra_held_grad_copies']:>+6.2f}"
+            f"{r['extra_grad_copies']:>+6.2f} {r['extra_share_grad_copies']:>+6.2f} "
+            f"{r['extra_held_grad_copies']:>+6.2f}"
         )
     lines.append(
         "ratio: median of per-round deterministic/default step times; peaks in MiB (worst "
-        "rank); extra: the deterministic peak's excess in gradient-sized copies; held: the "
+        "rank); extra: the deterministic peak's excess in gradient-sized copies; share: the "
+        "same with the shared rows a rank touched counted as its share of the host's; held: the "
         "excess of the wrapper's buckets and separate .grad tensors, in gradient-sized copies"
     )
     return "\n".join(lines)

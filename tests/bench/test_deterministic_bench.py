@@ -23,25 +23,32 @@ def test_quick_run_times_both_modes_and_measures_their_memory(tmp_path):
     assert row["default_ms"] > 0 and row["deterministic_ms"] > 0 and row["ratio"] > 0
     assert row["default_train_peak_bytes"] > row["grad_bytes"] > 0
     assert row["deterministic_train_peak_bytes"] > row["grad_bytes"]
+    for mode in ("default", "deterministic"):
+        assert 0 < row[f"{mode}_train_peak_share_bytes"] <= row[f"{mode}_train_peak_bytes"]
     assert 2 * row["grad_bytes"] <= row["deterministic_held_bytes"] < 3 * row["grad_bytes"]
     assert row["default_held_bytes"] >= row["grad_bytes"]
 
 
 def test_summary_pairs_rounds_and_counts_extra_memory_in_gradient_copies():
     """The ratio is the median of per-round ratios (not of the medians); the extra memory is
-    the deterministic peak's (and held bytes') excess over the default one, worst rank, in
-    gradient sizes."""
+    the deterministic peak's (its host share's, and held bytes') excess over the default one,
+    worst rank, in gradient sizes."""
     times = {"m": {2: {"default": [1.0, 2.0, 10.0], "deterministic": [1.5, 2.2, 10.5]}}}
     memory = {
         "m": {
             2: {
                 mode: [
-                    {"train_peak_bytes": p, "held_bytes": h, "grad_bytes": 100}
-                    for p, h in zip(peaks, held, strict=True)
+                    {
+                        "train_peak_bytes": p,
+                        "train_peak_share_bytes": s,
+                        "held_bytes": h,
+                        "grad_bytes": 100,
+                    }
+                    for p, s, h in zip(peaks, shares, held, strict=True)
                 ]
-                for mode, peaks, held in (
-                    ("default", [300, 320], [100, 110]),
-                    ("deterministic", [480, 500], [300, 320]),
+                for mode, peaks, shares, held in (
+                    ("default", [300, 320], [250, 240], [100, 110]),
+                    ("deterministic", [480, 500], [400, 390], [300, 320]),
                 )
             }
         }
@@ -50,6 +57,7 @@ def test_summary_pairs_rounds_and_counts_extra_memory_in_gradient_copies():
     assert row["ratio"] == pytest.approx(1.1)  # per round: 1.5, 1.1, 1.05
     assert row["default_ms"] == 2000.0 and row["deterministic_ms"] == 2200.0
     assert row["extra_grad_copies"] == pytest.approx(1.8)
+    assert row["extra_share_grad_copies"] == pytest.approx(1.5)
     assert row["extra_held_grad_copies"] == pytest.approx(2.1)
     assert row["micro_batches_per_rank"] == 4
     assert "1.100x" in deterministic.format_table({"rows": [row]})
