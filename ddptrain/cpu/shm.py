@@ -12,18 +12,17 @@ which costs milliseconds even for a small bucket inside a training step. Instead
 buckets are rows of one shared file per bucket: rank r sums chunk r of every row (its own row
 first, then the others by rank: at world size 2 bitwise the backend's a + b) and writes the
 sum into every row. Ranks meet at two barriers per bucket (rows full; chunks summed), counters
-in shared memory that a waiting rank polls, then sleeps on; after the second barrier no rank
-touches another's row, so the next backward may overwrite its own. The wrapper runs reductions
+in shared memory that a waiting rank polls, then sleeps on (barrier.py); after the second
+barrier no rank touches another's row, so the next backward may overwrite its own. The
+deterministic mode's large buckets take `reduce_finished`: rank r turns its summed chunk into
+means and, after a third barrier, writes those into every row. The wrapper runs reductions
 one at a time in bucket order, on its communication thread while backward goes on, and a
 backward's last bucket on the thread that waits for it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-import threading
-import time
 import uuid
 import weakref
 from typing import Any
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddptrain.cpu.barrier import COUNTER_STRIDE, SharedBarrier
 from ddptrain.ddp import hooks
 from ddptrain.ddp.hooks import (
     GradBucket,
@@ -46,18 +46,6 @@ SHM_DIR = "/dev/shm"
 SHM_HEADROOM_BYTES = 256 * 1024 * 1024
 # Buckets smaller than this stay private and use the backend's all_reduce (0: share all).
 SHM_MIN_BYTES = 0
-# Counters sit 64 bytes apart, so two ranks never write the same cache line.
-_COUNTER_STRIDE = 8
-# A waiting rank polls this many times (yielding the core in between) before it sleeps. At the
-# end of backward, with no more ranks than cores, it goes on polling for up to _SPIN_S: waking
-# from a sleep costs the timer's slack, which every rank waiting behind it would pay too.
-# Reductions while backward runs, and ranks that outnumber the cores, sleep sooner: their
-# polling would take the core from work that is waited for.
-_SPIN_POLLS = 200
-_SPIN_S = 2e-3
-_SLEEP_S = 50e-6
-# While sleeping, a waiting rank checks this often that the peers it waits for still exist.
-_LIVENESS_CHECK_S = 0.2
 
 
 class SharedMemory(Transport):
@@ -85,19 +73,19 @@ class SharedMemory(Transport):
         self._allocations = 0
         # Per shared bucket (by its row's address), while that row lives: the rows to sum.
         self._shared: dict[int, _SharedRows] = {}
-        self._barrier: _SharedBarrier | None = None
+        self._barrier: SharedBarrier | None = None
         # broadcast(): per tensor layout, a shared file of two byte slots and the calls so far.
         self._staging: dict[tuple, torch.Tensor | None] = {}
         self._broadcasts = 0
         self._plan: _BroadcastPlan | None = None
         if self.world_size > 1:
-            size = self.world_size * _COUNTER_STRIDE
+            size = self.world_size * COUNTER_STRIDE
             counters = self._map(size, torch.int64)
             if counters is not None:
-                counters[self.rank * _COUNTER_STRIDE + 1] = os.getpid()
+                counters[self.rank * COUNTER_STRIDE + 1] = os.getpid()
                 dist.barrier(group=self.group)
                 wait_s = hooks.timeout_s() if timeout_s is None else timeout_s
-                self._barrier = _SharedBarrier(counters, self.rank, self.world_size, wait_s)
+                self._barrier = SharedBarrier(counters, self.rank, self.world_size, wait_s)
 
     @staticmethod
     def available(process_group: Any = None) -> bool:
@@ -180,6 +168,31 @@ class SharedMemory(Transport):
                 other.copy_(rows.mine)
         self._barrier.wait(spin)
 
+    def reduce_finished(self, bucket: GradBucket, finish: hooks.Finish, value: int) -> bool:
+        """Sum a shared bucket and finish it chunk by chunk: rank r finishes the chunk it
+        summed, then, once every rank has read its sum (the ranges written may lie in other
+        chunks), writes the result into every row. Three barriers, and each chunk finished
+        once, instead of two and every rank finishing the whole bucket."""
+        self._check_open()
+        flat = bucket.buffer()
+        rows = self._shared.get(flat.data_ptr())
+        if self.world_size == 1 or rows is None or rows.numel != flat.numel():
+            return False
+        spin = bucket.is_last()
+        self._barrier.wait(spin, value)
+        total = self._barrier.total()
+        writes: list[tuple[int, torch.Tensor]] = []
+        if rows.mine is not None:
+            for other in rows.others:
+                rows.mine.add_(other)
+            writes = finish(rows.start, rows.mine, total)
+        self._barrier.wait(spin)
+        if writes:
+            places = [row[o : o + data.numel()] for row in rows.as_bytes for o, data in writes]
+            torch._foreach_copy_(places, [data for _ in rows.as_bytes for _, data in writes])
+        self._barrier.wait(spin)
+        return True
+
     def broadcast(self, tensors: list[torch.Tensor], src: int) -> bool:
         """Collective: copy rank `src`'s `tensors` into every rank's, through shared memory.
 
@@ -243,9 +256,11 @@ class _SharedRows:
         self.numel = numel = flat.numel() // world_size
         rows = flat.view(world_size, numel)
         lo, hi = numel * rank // world_size, numel * (rank + 1) // world_size
+        self.start = lo
         # None: a bucket smaller than the world leaves some ranks no chunk to sum.
         self.mine = rows[rank, lo:hi] if hi > lo else None
         self.others = [rows[k, lo:hi] for k in range(world_size) if k != rank]
+        self.as_bytes = list(rows.view(torch.uint8))
 
 
 class _BroadcastPlan:
@@ -268,87 +283,6 @@ class _BroadcastPlan:
             t is mine and (t.data_ptr(), t.numel()) == place
             for t, mine, place in zip(tensors, self.tensors, self.places, strict=True)
         )
-
-
-class _SharedBarrier:
-    """All ranks of one host meet here: a counter per rank in shared memory, polled.
-
-    A rank that dies leaves no error on a socket for the others to see, so a waiting rank
-    checks, while it sleeps, that the peers it waits for still exist (by process id, when
-    the ranks share a process namespace) and raises at once, naming the rank, if one is gone.
-    """
-
-    def __init__(self, counters: torch.Tensor, rank: int, world_size: int, timeout_s: float):
-        self._counters = counters  # keeps the memory that _words reads alive
-        # The counters as machine words, read and written from Python directly: a torch op's
-        # dispatch costs more than the read, and a barrier reads them at least once.
-        self._words = (ctypes.c_int64 * counters.numel()).from_address(counters.data_ptr())
-        self._mine = rank * _COUNTER_STRIDE
-        self._others = [r * _COUNTER_STRIDE for r in range(world_size) if r != rank]
-        pids = counters[1::_COUNTER_STRIDE].tolist()
-        # Peers in another process namespace are invisible from the start: no liveness check.
-        self._pids = {r: pid for r, pid in enumerate(pids) if r != rank and _alive(pid)}
-        self._timeout_s = timeout_s
-        self._spin_s = _SPIN_S if world_size <= (os.cpu_count() or 1) else 0.0
-        self._arrivals = 0
-        # Acquiring and releasing a lock is a full memory fence on every platform: the row
-        # writes before it are visible to peers before the counter that announces them.
-        self._fence = threading.Lock()
-
-    def wait(self, spin: bool = False) -> None:
-        """Arrive and wait for every rank; spin: poll for up to _SPIN_S before sleeping."""
-        self._arrivals += 1
-        words, arrivals = self._words, self._arrivals
-        with self._fence:
-            words[self._mine] = arrivals
-        polls = 0
-        began = None
-        while any(words[i] < arrivals for i in self._others):
-            polls += 1
-            if polls < _SPIN_POLLS:
-                os.sched_yield()
-                continue
-            now = time.monotonic()
-            if began is None:
-                began, deadline, next_check = now, now + self._timeout_s, now
-            if now > next_check:
-                self._check_peers()
-                next_check = now + _LIVENESS_CHECK_S
-            if now > deadline:
-                raise RuntimeError(
-                    f"a rank did not reach shared-memory barrier #{self._arrivals} within "
-                    f"{self._timeout_s:.0f} s (it hangs, or runs a different model or step)"
-                )
-            if spin and now - began < self._spin_s:
-                os.sched_yield()
-            else:
-                time.sleep(_SLEEP_S)
-        with self._fence:
-            pass
-
-    def _check_peers(self) -> None:
-        for rank, pid in self._pids.items():
-            if self._words[rank * _COUNTER_STRIDE] < self._arrivals and not _alive(pid):
-                raise RuntimeError(
-                    f"rank {rank} (pid {pid}) exited while the others waited for it at "
-                    f"shared-memory barrier #{self._arrivals}"
-                )
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie (visible in this namespace)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
 
 
 def shared_memory_usable(process_group: Any = None) -> bool:

@@ -13,6 +13,8 @@ world size".
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import time
 from typing import Any
@@ -25,15 +27,17 @@ from ddptrain.ddp.buckets import memory_order, view_like
 from ddptrain.ddp.exact import (
     COUNT_BITS,
     FLOAT_EXACT,
+    PIECE,
     add_fixed,
     add_fixed_floats,
     fixed_point_shift,
     float_to_fixed,
     largest_magnitudes,
     means_from_fixed,
+    means_of_part,
     warm_up,
 )
-from ddptrain.ddp.hooks import CommHook, Transport, global_rank, transport_hook
+from ddptrain.ddp.hooks import CommHook, GradBucket, Transport, global_rank, transport_hook
 from ddptrain.ddp.micro_batches import MicroBatchForwards
 from ddptrain.ddp.reducer import Reducer, refuse_create_graph, span
 
@@ -41,6 +45,10 @@ from ddptrain.ddp.reducer import Reducer, refuse_create_graph, span
 # bucket is full), then go in one call per operation: a small tensor's conversion costs its
 # calls, not its bytes, and a model of many small tensors pays that per micro-batch.
 _WAITING_NUMEL = 1 << 18
+# A bucket of more elements has its means computed by the ranks that sum it, each its part
+# (Transport.reduce_finished), where the transport can: a smaller one's cost less than the
+# barrier that takes.
+FINISH_NUMEL = PIECE
 # The BatchNorm statistics of a step travel in the last bucket's tail up to this many elements
 # (count * record_numel), summed with the gradients; more go by an all_gather of their own.
 _RECORDS_NUMEL = 1 << 18
@@ -81,17 +89,15 @@ class ExactReducer(Reducer):
         self._waiting: list[tuple[int, torch.Tensor]] = []
         self._waiting_numel = 0
         # Whether the last synchronized backward overflowed (its gradients are then inf).
-        self.overflowed = False
+        self.overflowed, self._in_backward = False, False
         self._overflows = torch.zeros((), dtype=torch.int64)
-        self._in_backward = False
         # Per parameter: a bound on its slot's partial sums while the slot holds float64
         # integers (add_fixed_float), None once it holds int64 (always on an accelerator).
         self._float_sums: list[float | None] = []
         self._reset_float_sums()
         # Elements after the tail's values for the statistics (sized by the first step), and
         # whether this rank's did not fit there this step.
-        self._records_room = 0
-        self._records_missing = 0
+        self._records_room, self._records_missing = 0, 0
         warm_up(self.params)  # the compiler's seconds here, not in the first step
 
     def _reset_float_sums(self) -> None:
@@ -122,8 +128,8 @@ class ExactReducer(Reducer):
         super().use_hook(state, hook)
 
     def _tail_values(self) -> list[int]:
-        overflows = int(self._overflows)
-        return [*self.used, self.micro_batches, overflows, self._records_missing, self._carry_value]
+        missing, carried = self._records_missing, self._carry_value
+        return [*self.used, self.micro_batches, int(self._overflows), missing, carried]
 
     def _tail_numel(self) -> int:
         return len(self._tail_values()) + self._records_room
@@ -179,12 +185,43 @@ class ExactReducer(Reducer):
     def _build_buckets(self, order: list[int]) -> None:
         super()._build_buckets(order)
         self._slot_storages = {b.flat.untyped_storage().data_ptr() for b in self.buckets}
+        # Per bucket: its members' (slot start, numel, dtype, index), or None where the
+        # transport is not to finish it (a small bucket's means cost less than a barrier).
+        self._slots: list[list[tuple[int, int, torch.dtype, int]] | None] = []
+        for bucket in self.buckets:
+            members = [self.params[i] for i in bucket.members]
+            starts = itertools.accumulate([p.numel() for p in members[:-1]], initial=0)
+            fits = all(_grad_view_fits(p) for p in members) and bucket.flat.device.type == "cpu"
+            large = fits and bucket.flat.numel() > FINISH_NUMEL
+            slots = zip(starts, members, bucket.members, strict=True)
+            self._slots.append([(a, p.numel(), p.dtype, i) for a, p, i in slots] if large else None)
+        # Buckets whose means the transport wrote this step.
+        self._finished: set[int] = set()
+
+    def _reduce(self, bucket: GradBucket) -> torch.Tensor:
+        """A large bucket goes to the transport with its means to compute (each rank the part
+        it summed): the work of the means divided by the world size, half the bytes written
+        back. The count is summed on the way, as the tail's is."""
+        b, transport = bucket.index(), self._reduce_in_place
+        if transport is not None and self._slots[b] is not None:
+            finish = functools.partial(self._finish_part, b)
+            with span("ddptrain.reduce bucket", b), torch.no_grad():
+                if transport.reduce_finished(bucket, finish, self.micro_batches):
+                    self._finished.add(b)
+                    return bucket.buffer()
+        return super()._reduce(bucket)
+
+    def _finish_part(self, b: int, start: int, summed: torch.Tensor, count: int) -> list:
+        """Bucket b's elements start, start + 1, ... summed over ranks -> the means where the
+        .grad views read them, and the tail's sums: every rank's bucket after the step."""
+        slots = [(a, n, dtype, self.shifts[i]) for a, n, dtype, i in self._slots[b]]
+        return means_of_part(summed, start, slots, count)
 
     def _grad_view(self, index: int) -> torch.Tensor:
         """The parameter's gradient in the first bytes of its spent slot (an int64 has room for
         any float), so that the mode holds no gradient beside its buckets."""
         p, slot = self.params[index], self._views[index]
-        if not p.dtype.is_floating_point or p.element_size() > slot.element_size():
+        if not _grad_view_fits(p):
             return torch.empty_like(p)
         raw = memory_order(slot).view(torch.uint8)[: p.numel() * p.element_size()]
         return view_like(raw.view(p.dtype), p)
@@ -325,9 +362,13 @@ class ExactReducer(Reducer):
                     grad.fill_(math.inf)
             else:
                 # Each mean is written over its spent sum; the next step's first terms overwrite
-                # it (a .grad kept until then is moved out first: _move_kept_grads).
-                views, shifts = [self._views[i] for i in used], [self.shifts[i] for i in used]
-                means_from_fixed(views, shifts, count, grads)
+                # it (a .grad kept until then is moved out first: _move_kept_grads). The
+                # transport wrote those of the buckets it finished.
+                done = self._finished
+                left = [k for k, i in enumerate(used) if self._bucket_of[i].index not in done]
+                views = [self._views[used[k]] for k in left]
+                shifts = [self.shifts[used[k]] for k in left]
+                means_from_fixed(views, shifts, count, [grads[k] for k in left])
             slots = self._slot_storages
             if self._ready_order is not None:
                 self._rebuild_in_ready_order()
@@ -349,3 +390,9 @@ class ExactReducer(Reducer):
             self._overflows = torch.zeros((), dtype=torch.int64)
             self._reset_float_sums()
             self.micro_batches, self._records_missing = 0, 0
+            self._finished = set()
+
+
+def _grad_view_fits(p: torch.Tensor) -> bool:
+    """Whether the parameter's .grad can lie in its int64 slot's first bytes."""
+    return p.dtype.is_floating_point and p.element_size() <= 8

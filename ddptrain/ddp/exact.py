@@ -7,7 +7,6 @@
                                                        # a large grad: one compiled pass)
     ... acc summed over ranks by any all_reduce: integer addition is associative ...
     mean_from_fixed(acc, shift, count, grad)      # grad = acc * 2**-shift / count, rounded
-    norm = exact_norm(grads, group)               # the same bits however the grads are split
 
 A float sum's last bits depend on the order of its additions, so a mean over ranks changes
 with the number of ranks. Rounding each term once to a grid of 2**-shift and adding integers
@@ -27,7 +26,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ddptrain.ddp import compiled
 from ddptrain.ddp.buckets import memory_format, memory_order
@@ -37,7 +35,7 @@ HEADROOM_BITS = 16
 # Up to 2**COUNT_BITS terms (micro-batches summed over every rank) in one accumulator.
 COUNT_BITS = 12
 # Bits of an int64 the magnitudes may use (one spare below the sign bit).
-_VALUE_BITS = 62
+VALUE_BITS = 62
 # Integers a float64 holds exactly, sums of them included.
 FLOAT_EXACT = 2.0**53
 # Elements per piece converted at once: the piece stays in cache across its operations, and
@@ -53,12 +51,12 @@ def fixed_point_shift(reference: float) -> int:
     if not math.isfinite(reference) or reference <= 0:
         reference = 1.0
     exponent = math.frexp(reference)[1]  # reference < 2**exponent
-    return _VALUE_BITS - COUNT_BITS - HEADROOM_BITS - exponent
+    return VALUE_BITS - COUNT_BITS - HEADROOM_BITS - exponent
 
 
 def term_bound(shift: int) -> float:
     """The largest magnitude a term may have under `shift` without overflowing."""
-    return math.ldexp(1.0, _VALUE_BITS - COUNT_BITS - shift)
+    return math.ldexp(1.0, VALUE_BITS - COUNT_BITS - shift)
 
 
 def _flat_pair(acc: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,31 +286,6 @@ def mean_from_fixed(acc: torch.Tensor, shift: int, count: int, out: torch.Tensor
         out.copy_(torch.cat(result).view(out.shape) if result else out)
 
 
-def _piece_size(device: torch.device) -> int:
-    """Elements converted at once: on a CPU a piece that stays in cache; on a GPU a large one,
-    each operation being a kernel launch whose cost the CPU pays whatever its size."""
-    return PIECE if device.type == "cpu" else 1 << 24
-
-
-def _pieces(tensors: list[torch.Tensor], size: int):
-    """The tensors' elements in order, as pieces of at most `size`: a large tensor cut in
-    slices, consecutive small ones joined (a model of many small parameters costs a few
-    operations a piece, not a few a parameter)."""
-    parts: list[torch.Tensor] = []
-    held = 0
-    for t in tensors:
-        flat = t.reshape(-1)
-        for start in range(0, flat.numel(), size):
-            part = flat[start : start + size]
-            if parts and held + part.numel() > size:
-                yield parts[0] if len(parts) == 1 else torch.cat(parts)
-                parts, held = [], 0
-            parts.append(part)
-            held += part.numel()
-    if parts:
-        yield parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
 def means_from_fixed(
     accs: list[torch.Tensor], shifts: list[int], count: int, outs: list[torch.Tensor]
 ) -> None:
@@ -362,36 +335,34 @@ def means_from_fixed(
         convert(group)
 
 
-def exact_norm(
-    grads: list[torch.Tensor], group: Any = None, sharded: bool = False, numel: int | None = None
-) -> torch.Tensor:
-    """The 2-norm of all `grads` (float32), the same bits whatever their order or split: each
-    square rounded to a grid fixed by the largest element, summed as integers. `sharded`: each
-    rank holds a part of the gradient (collective: one MAX, one SUM on `group`), and `numel`
-    bounds the whole gradient's elements at any world size (the model's); else every rank
-    holds all of it and nothing is sent. Non-finite gradients give a non-finite norm."""
-    device = grads[0].device if grads else torch.device("cpu")
-    numel = sum(g.numel() for g in grads) if numel is None else numel
-    grads = [g.detach() for g in grads if g.numel()]
-    peak = torch.zeros((), dtype=torch.float64, device=device)
-    if grads:
-        peak = largest_magnitudes(grads).max()
-    # NaN does not survive a MAX on every backend: as inf it does, and wins.
-    peak = torch.nan_to_num(peak, nan=math.inf, posinf=math.inf)
-    if sharded and dist.get_world_size(group) > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    top = peak.item()
-    if not math.isfinite(top):
-        return torch.tensor(math.inf, dtype=torch.float32, device=device)
-    if top == 0:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    # (top * scale)**2 * numel stays below 2**62: the integer sum cannot overflow.
-    square_bits = _VALUE_BITS - max(0, math.ceil(math.log2(max(numel, 1))))
-    shift = square_bits // 2 - math.frexp(top)[1]
-    scale = math.ldexp(1.0, shift)
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    for piece in _pieces(grads, _piece_size(device)):
-        total += piece.double().mul_(scale).square_().round_().to(torch.int64).sum()
-    if sharded and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    return (total.double() * math.ldexp(1.0, -2 * shift)).sqrt().float()
+def means_of_part(
+    summed: torch.Tensor, start: int, slots: list[tuple[int, int, torch.dtype, int]], count: int
+) -> list[tuple[int, torch.Tensor]]:
+    """The means of a part of a bucket of int64 sums (elements start, start + 1, ... of it)
+    where each parameter's gradient is read: in the first bytes of its slot. `slots`: per
+    parameter (where its slot begins, numel, dtype, shift), in order; elements after the last
+    (a tail of other sums) stay as they are. Returns (byte offset in the bucket, bytes)
+    pairs, the same bits as means_from_fixed on whole slots."""
+    stop = start + summed.numel()
+    # Means of 4 bytes or less, each tensor's aligned to 4 bytes.
+    rounded = torch.empty(summed.numel() * 4 + 4 * len(slots), dtype=torch.uint8)
+    accs, outs, shifts, writes, used = [], [], [], [], 0
+    for begins, numel, dtype, shift in slots:
+        lo, hi = max(start, begins), min(stop, begins + numel)
+        if lo >= hi:
+            continue
+        size = dtype.itemsize
+        if size > 4:
+            out = torch.empty(hi - lo, dtype=dtype)
+        else:
+            out = rounded[used : used + (hi - lo) * size].view(dtype)
+            used += -(-(hi - lo) * size // 4) * 4
+        accs.append(summed[lo - start : hi - start])
+        outs.append(out)
+        shifts.append(shift)
+        writes.append((begins * 8 + (lo - begins) * size, out.view(torch.uint8)))
+    means_from_fixed(accs, shifts, count, outs)
+    tail = max(start, slots[-1][0] + slots[-1][1]) if slots else start
+    if stop > tail:
+        writes.append((tail * 8, summed[tail - start :].view(torch.uint8)))
+    return writes

@@ -7,8 +7,7 @@
 
 The protocol is torch's: `hook(state, bucket) -> torch.futures.Future[Tensor]`, called once per
 bucket with a `GradBucket` (the interface of torch's `dist.GradBucket`) holding the SUM of the
-local gradients; the future's value is the bucket's averaged gradients. torch's hooks divide by
-the group size themselves.
+local gradients; the future's value is their average (torch's hooks divide by the group size).
 
 A `Transport` is a hook state that carries buckets itself: what ddptrain's defaults are. The
 wrapper gives it three things a plain hook cannot have: buckets allocated where it reads them
@@ -19,11 +18,11 @@ the model's buffers to send (`broadcast`). Its hook is `transport_hook`.
 `default_transport` is where the wrapper's default is chosen: nothing to send alone; what the
 CPU package registered (`register_cpu_defaults`: ddptrain.cpu chooses shared memory or TCP for
 CPU ranks under gloo, and registers itself when `ddptrain` is imported); else the backend's
-all_reduce. The core imports no transport. Transports that keep state (a group, a
-thread, shared memory) are built on every rank in the same order: building one is collective.
+all_reduce. The core imports no transport. Transports that keep state (a group, a thread,
+shared memory) are built on every rank in the same order: building one is collective.
 
 `OrderedRunner` runs the hooks: one bucket at a time, in bucket order, on a thread of its own
-while backward goes on. The process-group helpers at the end are shared by the transports.
+while backward goes on. The transports share the process-group helpers at the end.
 """
 
 from __future__ import annotations
@@ -45,6 +44,7 @@ from torch import nn
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 # (param) -> (its bucket slot, the factor to scale its gradient by there), or None.
 Claim = Callable[[torch.Tensor], "tuple[torch.Tensor, float] | None"]
+Finish = Callable[[int, torch.Tensor, int], "list[tuple[int, torch.Tensor]]"]
 
 
 class GradBucket:
@@ -121,6 +121,13 @@ class Transport(ABC):
     def broadcast(self, tensors: list[torch.Tensor], src: int) -> bool:
         """Collective: copy rank `src`'s tensors into every rank's; False, having done
         nothing, where this transport cannot (the wrapper then uses the backend)."""
+        return False
+
+    def reduce_finished(self, bucket: GradBucket, finish: Finish, value: int) -> bool:
+        """Collective: sum the bucket, each part of the sum going to one rank's
+        `finish(start of the part, part, value summed over ranks)`, whose (byte offset, bytes)
+        are written into every rank's bucket: the result. False, having done nothing, where
+        the transport cannot (the caller reduces, then finishes all of it itself)."""
         return False
 
     def close(self) -> None:  # noqa: B027 - most transports hold nothing to release

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.ddp.exact import exact_norm
+from ddptrain.ddp.norm import exact_norm
 from ddptrain.fsdp.unit import Unit, all_gather_single, in_memory_order
 
 if TYPE_CHECKING:

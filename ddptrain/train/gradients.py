@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddptrain.ddp.exact import HEADROOM_BITS, exact_norm
+from ddptrain.ddp.exact import HEADROOM_BITS
+from ddptrain.ddp.norm import exact_norm
 from ddptrain.dist import print0
 from ddptrain.fsdp.wrapper import FullyShardedDataParallel
 from ddptrain.train.checkpoint import latest_checkpoint

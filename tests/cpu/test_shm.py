@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from ddptrain.comm import named_hook
-from ddptrain.cpu.shm import _COUNTER_STRIDE, SHM_DIR, SharedMemory, _SharedBarrier
+from ddptrain.cpu.barrier import COUNTER_STRIDE, SharedBarrier
+from ddptrain.cpu.shm import SHM_DIR, SharedMemory
 from ddptrain.ddp.wrapper import DistributedDataParallel
 from support import worlds
 from support.sums import ATOL, NUMELS, RTOL, backend_sum, needs_shm, reduce_with
@@ -99,18 +100,18 @@ def test_default_hook_is_shared_memory_on_one_host_and_nothing_alone(world):
 def test_shared_barrier_names_a_peer_that_died_and_times_out_on_a_silent_one():
     """A waiting rank raises naming a dead peer before its timeout; a live silent one times out."""
     peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
-    counters = torch.zeros(2 * _COUNTER_STRIDE, dtype=torch.int64)
-    counters[1], counters[_COUNTER_STRIDE + 1] = os.getpid(), peer.pid
+    counters = torch.zeros(2 * COUNTER_STRIDE, dtype=torch.int64)
+    counters[1], counters[COUNTER_STRIDE + 1] = os.getpid(), peer.pid
     # Only the death check can end the wait before timeout_s; half of it is slack for a
     # loaded machine (the peer exits after 0.5 s, liveness is polled every 0.2 s).
-    barrier = _SharedBarrier(counters, rank=0, world_size=2, timeout_s=120)
+    barrier = SharedBarrier(counters, rank=0, world_size=2, timeout_s=120)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=f"rank 1 \\(pid {peer.pid}\\) exited"):
         barrier.wait()
     assert time.monotonic() - start < 60
     peer.wait()
-    counters[_COUNTER_STRIDE + 1] = os.getpid()  # a peer that lives but never arrives
-    silent = _SharedBarrier(counters, rank=0, world_size=2, timeout_s=0.3)
+    counters[COUNTER_STRIDE + 1] = os.getpid()  # a peer that lives but never arrives
+    silent = SharedBarrier(counters, rank=0, world_size=2, timeout_s=0.3)
     with pytest.raises(RuntimeError, match="did not reach"):
         silent.wait()
 

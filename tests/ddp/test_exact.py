@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from ddptrain.ddp import compiled, exact
+from ddptrain.ddp import compiled, exact, norm
 
 
 def _terms(n: int = 12, numel: int = 70_001) -> list[torch.Tensor]:
@@ -166,15 +166,15 @@ def test_exact_norm_is_the_same_bits_however_the_gradient_is_split():
     """The norm of one gradient cut into pieces of any sizes, in any order, is bitwise the
     same, and within 1e-6 of the float64 norm; inf and NaN give inf."""
     g = torch.randn(100_003, generator=torch.Generator().manual_seed(2)) * 3e-2
-    whole = exact.exact_norm([g])
+    whole = norm.exact_norm([g])
     for sizes in (1000, 4097, 33_333):
         pieces = list(g.split(sizes))
         random.Random(sizes).shuffle(pieces)
-        assert torch.equal(exact.exact_norm(pieces, numel=g.numel()), whole)
+        assert torch.equal(norm.exact_norm(pieces, numel=g.numel()), whole)
     truth = torch.linalg.vector_norm(g.double()).item()
     assert abs(whole.item() - truth) <= 1e-6 * truth
     for bad in (math.inf, math.nan):
-        assert exact.exact_norm([g, torch.tensor([bad])]).item() == math.inf
+        assert norm.exact_norm([g, torch.tensor([bad])]).item() == math.inf
 
 
 @pytest.mark.parametrize("reference", [0.0, math.inf, 3.0e-7, 5.0e4])
@@ -259,3 +259,31 @@ def _first_bytes(acc: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         .view(torch.float32)
         .as_strided(like.shape, like.stride())
     )
+
+
+@pytest.mark.parametrize("parts", [1, 3, 4])
+def test_means_of_parts_written_into_a_bucket_give_whole_slot_means(parts):
+    """A bucket cut into `parts` arbitrary parts, each part's means_of_part writes applied to
+    a copy of the bucket: every parameter's mean in its slot's first bytes is means_from_fixed's
+    on the whole slot, bitwise (float32, float64 and bfloat16), and the tail's sums are kept."""
+    g = torch.Generator().manual_seed(9)
+    params = [(700, torch.float32), (5, torch.float64), (1201, torch.bfloat16), (64, torch.float32)]
+    tail_numel = 7
+    numel = sum(n for n, _ in params) + tail_numel
+    bucket = torch.randint(-(2**50), 2**50, (numel,), generator=g)
+    shifts, slots, begins = [30, 44, 12, 38], [], 0
+    for (n, dtype), shift in zip(params, shifts, strict=True):
+        slots.append((begins, n, dtype, shift))
+        begins += n
+    count = 12
+    result = torch.zeros_like(bucket)
+    cuts = sorted(torch.randperm(numel - 1, generator=g)[: parts - 1].add(1).tolist())
+    for start, stop in zip([0, *cuts], [*cuts, numel], strict=True):
+        for offset, data in exact.means_of_part(bucket[start:stop], start, slots, count):
+            result.view(torch.uint8)[offset : offset + data.numel()] = data
+    for begins, n, dtype, shift in slots:
+        want = torch.empty(n, dtype=dtype)
+        exact.mean_from_fixed(bucket[begins : begins + n], shift, count, want)
+        got = result[begins:].view(torch.uint8)[: n * dtype.itemsize].view(dtype)
+        assert torch.equal(got, want), dtype
+    assert torch.equal(result[-tail_numel:], bucket[-tail_numel:])

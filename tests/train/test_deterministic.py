@@ -14,7 +14,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddptrain
-from ddptrain.ddp.exact import exact_norm
+from ddptrain.ddp import deterministic
+from ddptrain.ddp.norm import exact_norm
 from ddptrain.models import LeNet
 from ddptrain.train.gradients import grad_norm
 from support import worlds
@@ -122,6 +123,16 @@ def _case_tied_branch(info) -> dict:
     return _loop(info, "tied")
 
 
+def _case_tied_finished(info) -> dict:
+    """The tied-branch loop with every bucket's means computed by the transport, each rank
+    its part (as a large bucket's are)."""
+    kept, deterministic.FINISH_NUMEL = deterministic.FINISH_NUMEL, 0
+    try:
+        return _loop(info, "tied")
+    finally:
+        deterministic.FINISH_NUMEL = kept
+
+
 def _wide_world() -> dict:
     info = ddptrain.init_distributed()
     try:
@@ -199,6 +210,7 @@ CASES = {
     "lenet": _case_lenet,
     "guide_loop": _case_guide_loop,
     "tied_branch": _case_tied_branch,
+    "tied_finished": _case_tied_finished,
     "float_sums": _case_float_sums,
     "stages": _case_stages,
     "tied_stages": _case_tied_stages,
@@ -206,9 +218,9 @@ CASES = {
 }
 BY_WORLD = {
     1: list(CASES),
-    2: ["lenet", "tied_branch", "tied_stages"],
+    2: ["lenet", "tied_branch", "tied_finished", "tied_stages"],
     3: list(CASES),
-    4: ["lenet", "tied_branch", "guide_loop", "tied_stages"],
+    4: ["lenet", "tied_branch", "tied_finished", "guide_loop", "tied_stages"],
 }
 world = worlds.fixture(CASES, BY_WORLD, timeout_s=WORLD_TIMEOUT_S)
 
@@ -224,6 +236,17 @@ def test_the_users_loop_ends_on_the_same_bits_at_world_sizes_1_to_4(world, kind)
     assert len(set.union(*digests.values())) == 1, digests
     if kind == "tied_branch":
         assert all(r["never_used_grad"] is None for r in worlds.outcome(world(3), kind))
+
+
+def test_means_the_transport_computes_part_by_part_give_the_same_bits(world):
+    """The tied-branch loop with each bucket's means computed part by part by the ranks that
+    sum it (shared memory at world sizes 2, 3, 4) ends on world size 1's bits, on every rank,
+    the never-used layer still without a gradient."""
+    want = {r["state"] for r in worlds.outcome(world(1), "tied_branch")}
+    for ws in (2, 3, 4):
+        results = worlds.outcome(world(ws), "tied_finished")
+        assert {r["state"] for r in results} == want, ws
+        assert all(r["never_used_grad"] is None for r in results)
 
 
 @pytest.mark.slow
