@@ -18,12 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddptrain.ddp.wrapper import DistributedDataParallel
-from ddptrain.fsdp.layout import flat_layout
 from ddptrain.fsdp.unit import in_memory_order
 from ddptrain.fsdp.wrapper import FullyShardedDataParallel
-from ddptrain.nn.sync_batchnorm import convert_sync_batchnorm
 from support import toy_models, worlds
-from support.state_diff import layout, optimizer_state_diff
+from support.fsdp_models import MODELS, Wide, make_optimizer, whole, wrap
+from support.state_diff import optimizer_state_diff
 
 pytestmark = pytest.mark.timeout(worlds.WORLD_TIMEOUT_S + 60)
 
@@ -49,80 +48,6 @@ SMOOTH_ATOL = 1e-5
 NORM_RTOL = 1e-5
 
 
-# ---------------------------------------------------------------------------- models
-def _conv_last() -> nn.Module:
-    """LeNet without dropout, its 4-D weights in channels_last memory order."""
-    return toy_models.make("lenet_nodrop").to(memory_format=torch.channels_last)
-
-
-class _Wide(nn.Module):
-    """Three Linear layers of 832-4160 parameters, units of the size policy at 800, and a head
-    of 650 left to the root unit."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(12, 64), nn.Linear(64, 64), nn.Linear(64, 64)])
-        self.head = nn.Linear(64, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return F.log_softmax(self.head(x), dim=1)
-
-
-# name -> (factory, data of toy_models.batch, units of the wrapped module (None: size policy))
-MODELS = {
-    "wide": (_Wide, "tanh", None),
-    "tanh": (lambda: toy_models.make("tanh"), "tanh", lambda m: [m.net[0], m.net[2]]),
-    "lenet": (lambda: toy_models.make("lenet_nodrop"), "lenet", lambda m: [m.conv2, m.fc1]),
-    "channels_last": (_conv_last, "lenet", lambda m: [m.conv1, m.conv2]),
-    "tied": (lambda: toy_models.make("tied"), "tied", lambda m: [m.embed, m.hidden, m.out]),
-    "frozen": (lambda: toy_models.make("frozen"), "frozen", lambda m: [m.frozen, m.fc1]),
-    # The branch (rank 1 only) in the root unit, then a unit of its own, which the other
-    # ranks' forwards skip; the swapped layers run in another order on rank 1.
-    "branch": (lambda: toy_models.make("branch"), "branch", lambda m: [m.trunk, m.never_used]),
-    "branch_unit": (
-        lambda: toy_models.make("branch"),
-        "branch",
-        lambda m: [m.trunk, m.branch, m.never_used],
-    ),
-    "swapped": (lambda: toy_models.make("swapped"), "swapped", lambda m: [m.first, m.second]),
-    # BatchNorm's running stats: rank 0's at every forward, as under the DDP wrapper.
-    "batchnorm": (lambda: toy_models.make("batchnorm"), "batchnorm", lambda m: [m.conv, m.fc]),
-    "syncbn": (
-        lambda: convert_sync_batchnorm(toy_models.make("batchnorm")),
-        "batchnorm",
-        lambda m: [m.conv, m.fc],
-    ),
-}
-
-
-def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
-    """SGD with momentum or AdamW, weight decay on weights only (groups picked by name)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    decay = [p for n, p in named if not n.endswith("bias")]
-    rest = [p for n, p in named if n.endswith("bias")]
-    if kind == "sgd":
-        groups = [{"params": decay, "weight_decay": 1e-3}, {"params": rest, "weight_decay": 0.0}]
-        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "lr": 2e-3}]
-    return torch.optim.AdamW(groups, lr=1e-3)
-
-
-def _wrap(name: str, base: nn.Module, stage: int, rank: int, group=None) -> nn.Module:
-    module = copy.deepcopy(base)
-    if stage == 0:
-        return DistributedDataParallel(module, process_group=group)
-    units = MODELS[name][2]
-    return FullyShardedDataParallel(
-        module,
-        process_group=group,
-        units=units(module) if units else None,
-        unit_min_numel=800,
-        reshard_after_forward=stage == 3,
-    )
-
-
 def _backward(
     model: nn.Module, name: str, step: int, rank: int, micro: int, synced: bool = False
 ) -> None:
@@ -132,16 +57,6 @@ def _backward(
         x, y = toy_models.batch(data, step * micro + m, rank)
         with nullcontext() if synced or m == micro - 1 else model.no_sync():
             (toy_models.loss_of(data, model, x, y, rank) / micro).backward()
-
-
-def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter, whole, by name (collective for the sharded wrapper)."""
-    if isinstance(model, FullyShardedDataParallel):
-        state = model.state_dict()
-    else:
-        state = model.module.state_dict()
-    names = {n for n, _ in (model.module.named_parameters())}
-    return {k: v for k, v in state.items() if k in names}
 
 
 def _buffers_after_a_forward(models: list[nn.Module], name: str, rank: int) -> list[dict]:
@@ -197,8 +112,8 @@ def _train_against_ddp(
     after clipping (_norms)."""
     torch.manual_seed(1234 + rank)  # different weights per rank: both take rank 0's
     base = MODELS[name][0]()
-    ddp, sharded = _wrap(name, base, 0, rank, group), _wrap(name, base, stage, rank, group)
-    opts = {id(m): _optimizer(kind, m) for m in (ddp, sharded)}
+    ddp, sharded = wrap(name, base, 0, rank, group), wrap(name, base, stage, rank, group)
+    opts = {id(m): make_optimizer(kind, m) for m in (ddp, sharded)}
     steps_equal, max_diff, none_equal = [], 0.0, []
     for step in range(STEPS):
         nones = []
@@ -208,7 +123,7 @@ def _train_against_ddp(
             nones.append([n for n, p in model.module.named_parameters() if p.grad is None])
             opts[id(model)].step()
         none_equal.append(nones[0] == nones[1])
-        a, b = _whole(ddp), _whole(sharded)
+        a, b = whole(ddp), whole(sharded)
         steps_equal.append(all(torch.equal(a[k], b[k]) for k in a))
         max_diff = max(max_diff, max((a[k] - b[k]).abs().max().item() for k in a))
     plain_state = opts[id(ddp)].state_dict()
@@ -269,13 +184,13 @@ def _case_fully_shard(info) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(1234)  # fully_shard does not broadcast: the same weights everywhere
-    base = _Wide()
+    base = Wide()
     theirs = copy.deepcopy(base)
     for layer in [*theirs.layers, theirs.head]:
         fully_shard(layer)
     fully_shard(theirs)
-    ours = _wrap("wide", base, 3, info.rank)
-    opts = {id(m): _optimizer("adamw", m) for m in (ours, theirs)}
+    ours = wrap("wide", base, 3, info.rank)
+    opts = {id(m): make_optimizer("adamw", m) for m in (ours, theirs)}
     steps_equal, max_diff = [], 0.0
     for step in range(STEPS):
         for model in (ours, theirs):
@@ -283,7 +198,7 @@ def _case_fully_shard(info) -> dict:
             x, y = toy_models.batch("tanh", step, info.rank)
             F.nll_loss(model(x), y).backward()
             opts[id(model)].step()
-        a = _whole(ours)
+        a = whole(ours)
         b = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
         steps_equal.append(all(torch.equal(a[k], b[k]) for k in a))
         max_diff = max(max_diff, max((a[k] - b[k]).abs().max().item() for k in a))
@@ -297,7 +212,7 @@ def _case_one_step_ws3(info) -> dict:
     out = {}
     for name in ("wide", "lenet", "tied", "channels_last", "branch_unit"):
         base = MODELS[name][0]()
-        ddp, ours = _wrap(name, base, 0, info.rank), _wrap(name, base, 3, info.rank)
+        ddp, ours = wrap(name, base, 0, info.rank), wrap(name, base, 3, info.rank)
         plain = copy.deepcopy(base)
         for model in (ddp, ours, plain):
             x, y = toy_models.batch(MODELS[name][1], 0, info.rank)
@@ -346,69 +261,8 @@ def _case_smooth_ws3(info) -> dict:
             x, y = toy_models.batch("tanh", step, info.rank)
             F.nll_loss(model(x), y).backward()
             opt.step()
-    a, b = _whole(models["ddp"]), _whole(models["ours"])
+    a, b = whole(models["ddp"]), whole(models["ours"])
     return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-def _case_memory(info) -> dict:
-    """Elements each rank holds as parameters and as AdamW state, against the model's."""
-    torch.manual_seed(0)
-    model = FullyShardedDataParallel(_Wide(), unit_min_numel=800)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = toy_models.batch("tanh", 0, info.rank)
-    F.nll_loss(model(x), y).backward()
-    opt.step()
-    state = [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
-    return {
-        "params": sum(p.numel() for p in model.parameters()),
-        "state": sum(v.numel() for v in state),
-        "total": sum(p.numel() for p in _Wide().parameters()),
-        "units": model.unit_names,
-    }
-
-
-def _case_gathered(info) -> dict:
-    """Bytes each unit of the size-policy _Wide holds gathered after a training forward, after
-    its backward, after a forward under no_grad, after the whole states are read, inside
-    summon_full_params (before and after a forward there) and after it, for ZeRO-2 and
-    ZeRO-3."""
-    out = {}
-    for stage in (2, 3):
-        torch.manual_seed(0)
-        model = FullyShardedDataParallel(
-            _Wide(), unit_min_numel=800, reshard_after_forward=stage == 3
-        )
-        x, y = toy_models.batch("tanh", 0, info.rank)
-        seen = {}
-        loss = F.nll_loss(model(x), y)
-        seen["after_forward"] = _gathered_bytes(model)
-        loss.backward()
-        seen["after_backward"] = _gathered_bytes(model)
-        with torch.no_grad():
-            model(x)
-        seen["after_eval"] = _gathered_bytes(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        opt.step()
-        model.state_dict()
-        seen["after_state_dict"] = _gathered_bytes(model)
-        model.optim_state_dict(opt)
-        seen["after_optim_state_dict"] = _gathered_bytes(model)
-        with model.summon_full_params():
-            seen["summoned"] = _gathered_bytes(model)
-            with torch.no_grad():
-                model(x)
-            seen["summoned_after_forward"] = _gathered_bytes(model)
-        seen["after_summon"] = _gathered_bytes(model)
-        out[stage] = seen
-    return out
-
-
-def _gathered_bytes(model: FullyShardedDataParallel) -> dict[str, int]:
-    """Bytes of whole parameters each unit holds now (its flat tensor's storage), by name."""
-    return {
-        name: unit.flat.untyped_storage().nbytes()
-        for name, unit in zip(model.unit_names, model.units, strict=True)
-    }
 
 
 def _case_subgroup(info) -> dict | None:
@@ -426,54 +280,20 @@ def _case_subgroup(info) -> dict | None:
     return out
 
 
-# ---------------------------------------------------------------------------- states
-def _case_states_at_any_size(info) -> dict:
-    """A plain model's state and a plain AdamW's (two local steps: every rank the same) load at
-    this world size and come back bitwise from state_dict() and optim_state_dict(); the
-    channels_last LeNet keeps its strides."""
-    out = {}
-    for name in ("wide", "channels_last", "tied"):
-        torch.manual_seed(5)
-        plain = MODELS[name][0]()
-        opt = _optimizer("adamw", plain)
-        for step in range(2):
-            x, y = toy_models.batch(MODELS[name][1], step, 0)
-            opt.zero_grad()
-            toy_models.loss_of(MODELS[name][1], plain, x, y, 0).backward()
-            opt.step()
-        torch.manual_seed(6 + info.rank)  # other weights: loading must replace them
-        ours = _wrap(name, MODELS[name][0](), 3, info.rank)
-        ours_opt = _optimizer("adamw", ours)
-        ours.load_state_dict(plain.state_dict())
-        ours.load_optim_state_dict(ours_opt, opt.state_dict())
-        back, back_opt = ours.state_dict(), ours.optim_state_dict(ours_opt)
-        plain_state = plain.state_dict()
-        out[name] = {
-            "model": back.keys() == plain_state.keys()
-            and all(torch.equal(back[k], v) for k, v in plain_state.items())
-            and all(layout(back[k]) == layout(v) for k, v in plain_state.items()),
-            "optimizer": optimizer_state_diff(back_opt, opt.state_dict(), same_layout=True),
-        }
-    return out
-
-
 CASES = {
     "equal_to_ddp": _case_equal_to_ddp,
     "accumulation": _case_accumulation,
     "fully_shard": _case_fully_shard,
     "one_step_ws3": _case_one_step_ws3,
     "smooth_ws3": _case_smooth_ws3,
-    "memory": _case_memory,
-    "states": _case_states_at_any_size,
-    "gathered": _case_gathered,
     "subgroup": _case_subgroup,
 }
 world = worlds.fixture(
     CASES,
     {
         1: ["equal_to_ddp"],
-        2: ["equal_to_ddp", "accumulation", "fully_shard", "memory", "states", "gathered"],
-        3: ["one_step_ws3", "smooth_ws3", "memory", "states", "gathered", "subgroup"],
+        2: ["equal_to_ddp", "accumulation", "fully_shard"],
+        3: ["one_step_ws3", "smooth_ws3", "subgroup"],
     },
 )
 
@@ -561,30 +381,6 @@ def test_smooth_model_at_ws3_stays_within_rounding_of_ddp(world):
         assert diff <= SMOOTH_ATOL
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_each_rank_holds_its_share_of_parameters_and_state(world, world_size):
-    """Parameters and AdamW state per rank are total / world_size, plus at most 64 elements of
-    alignment per parameter and unit; the size policy made the three layers units."""
-    results = worlds.outcome(world(world_size), "memory")
-    total = results[0]["total"]
-    for r in results:
-        assert r["units"] == ["", "layers.0", "layers.1", "layers.2"]
-        slack = 64 * (8 + 4)  # per parameter and per unit
-        assert abs(r["params"] - total / world_size) <= slack, r
-        assert r["state"] == 2 * r["params"], r
-    assert sum(r["params"] for r in results) == total
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_plain_states_load_at_any_world_size_and_come_back_bitwise(world, world_size):
-    """A plain module's state_dict and a plain AdamW's load into the sharded wrapper and its
-    optimizer at ws 2 and 3; state_dict() and optim_state_dict() give them back bitwise, in
-    the plain layouts (channels_last strides, the tied weight under both names)."""
-    for rank, r in enumerate(worlds.outcome(world(world_size), "states")):
-        for name, d in r.items():
-            assert d["model"] and d["optimizer"] == 0.0, (rank, name, d)
-
-
 @pytest.mark.parametrize("case", [f"{n}-{k}-{s}" for n, k, s in SUBGROUP])
 def test_on_a_subgroup_bitwise_equal_to_the_ddp_wrapper_on_it(world, case):
     """On process_group = ranks [1, 2] of 3, the sharded wrapper trains as the DDP wrapper on
@@ -599,35 +395,3 @@ def test_on_a_subgroup_bitwise_equal_to_the_ddp_wrapper_on_it(world, case):
         assert all(d["none_equal"]), (rank, d["nones"])
         assert d["state_diff"] == 0.0, (rank, d["state_diff"])
         _check_norms(d, rank)
-
-
-def _unit_bytes(world_size: int) -> dict[str, int]:
-    """What each unit of the size-policy _Wide holds gathered: its parameters laid out as the
-    wrapper lays them (flat_layout: aligned, padded to world_size equal shards), in bytes."""
-    units = ["", "layers.0", "layers.1", "layers.2"]
-    numels: dict[str, list[int]] = {u: [] for u in units}
-    for name, p in _Wide().named_parameters():
-        owner = max((u for u in units if name.startswith(f"{u}.") or not u), key=len)
-        numels[owner].append(p.numel())
-    itemsize = torch.float32.itemsize
-    return {u: flat_layout(n, world_size).padded_numel * itemsize for u, n in numels.items()}
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_zero3_frees_units_between_forward_and_backward(world, world_size):
-    """Between a training forward and its backward ZeRO-3 holds only the root unit gathered
-    (its backward runs first) and ZeRO-2 every unit, each at its whole (padded) size; after the
-    backward, a forward under no_grad, state_dict(), optim_state_dict() and summon_full_params
-    (inside which every unit is whole, a forward there included), no unit holds gathered
-    parameters."""
-    whole = _unit_bytes(world_size)
-    none = dict.fromkeys(whole, 0)
-    root_only = {**none, "": whole[""]}
-    for rank, r in enumerate(worlds.outcome(world(world_size), "gathered")):
-        assert r[3]["after_forward"] == root_only, (rank, r[3]["after_forward"], whole)
-        assert r[2]["after_forward"] == whole, (rank, r[2]["after_forward"], whole)
-        for stage in (2, 3):
-            for when in ("summoned", "summoned_after_forward"):
-                assert r[stage][when] == whole, (rank, stage, when, r[stage][when])
-            for when in ("backward", "eval", "state_dict", "optim_state_dict", "summon"):
-                assert r[stage][f"after_{when}"] == none, (rank, stage, when, r[stage])
