@@ -2,7 +2,7 @@
 
 The outcome rules are pure (ddptrain.launch.report) and tested without processes; the
 end-to-end tests launch 2 workers under ddptrain-run (and torchrun, for what differs).
-The signal tests with a training job are in tests/train/test_faults.py.
+The signal tests with a training job are in tests/train/test_launcher_faults.py.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Each program below takes the wrapper class as its only difference (`DDP`), as a user swapping
 `from torch.nn.parallel import DistributedDataParallel as DDP` for `from ddptrain import DDP`
-would; torch's comm hooks, torch's Join and torch's ZeroRedundancyOptimizer run unchanged. One
-spawned world of 2 ranks runs them all (worlds.fixture).
+would; torch's comm hooks, their wrappers and torch's Join run unchanged, and torch's arguments
+err as on torch's. One spawned world of 2 ranks runs them all (worlds.fixture). Where torch's
+DDP cannot be the oracle: tests/ddp/test_beyond_torch_ddp.py.
 """
 
 from __future__ import annotations
@@ -25,14 +26,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import (
     optimizer_overlap_hooks,
     powerSGD_hook,
 )
-from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import ddptrain
 from support import worlds
+from support.torch_programs import STEPS, batch, hooked, mlp, params, powersgd
 
 WORLD_SIZE = 2
-STEPS = 8
 
 
 class ToyModel(nn.Module):
@@ -46,22 +46,6 @@ class ToyModel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net2(self.relu(self.net1(x)))
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
-    )
-
-
-def _batch(rank: int, step: int, features: int = 32, classes: int = 10):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(16, features, generator=g), torch.randint(0, classes, (16,), generator=g)
-
-
-def _params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 # ------------------------------------------------------------------------------ programs
@@ -78,7 +62,7 @@ def tutorial_basic(DDP, rank: int) -> torch.Tensor:  # noqa: N803 - the class, a
         labels = torch.randn(20, 5, generator=torch.Generator().manual_seed(step + rank))
         loss_fn(outputs, labels).backward()
         optimizer.step()
-    return _params(ddp_model)
+    return params(ddp_model)
 
 
 def tutorial_checkpoint(DDP, rank: int) -> torch.Tensor:  # noqa: N803
@@ -91,53 +75,41 @@ def tutorial_checkpoint(DDP, rank: int) -> torch.Tensor:  # noqa: N803
     dist.barrier()
     ddp_model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.001)
-    x, y = _batch(rank, 0, 10, 5)
+    x, y = batch(rank, 0, 10, 5)
     F.cross_entropy(ddp_model(x), y).backward()
     optimizer.step()
     dist.barrier()
     if rank == 0:
         os.remove(path)
-    return _params(ddp_model)
+    return params(ddp_model)
 
 
 def positional_arguments(DDP, rank: int) -> torch.Tensor:  # noqa: N803
     """torch's arguments given positionally: device_ids, output_device, dim, broadcast_buffers,
     init_sync, process_group, bucket_cap_mb, find_unused_parameters (a branch left unused)."""
-    model = _mlp()
+    model = mlp()
     ddp_model = DDP(model, None, None, 0, True, True, None, 0.001, True)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
     for step in range(STEPS):
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         optimizer.zero_grad()
         F.cross_entropy(ddp_model(x), y).backward()
         optimizer.step()
-    return _params(ddp_model)
+    return params(ddp_model)
 
 
 def accumulate_with_no_sync(DDP, rank: int) -> torch.Tensor:  # noqa: N803
     """Gradient accumulation over 3 micro-batches with no_sync()."""
-    ddp_model = DDP(_mlp(), bucket_cap_mb=0.002)
+    ddp_model = DDP(mlp(), bucket_cap_mb=0.002)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
     for step in range(STEPS):
         optimizer.zero_grad()
         for micro in range(3):
-            x, y = _batch(rank, 3 * step + micro)
+            x, y = batch(rank, 3 * step + micro)
             with ddp_model.no_sync() if micro < 2 else nullcontext():
                 F.cross_entropy(ddp_model(x), y).backward()
         optimizer.step()
-    return _params(ddp_model)
-
-
-def _hooked(DDP, rank: int, make_hook, bucket_cap_mb: float) -> torch.Tensor:  # noqa: N803
-    ddp_model = DDP(_mlp(), bucket_cap_mb=bucket_cap_mb)
-    ddp_model.register_comm_hook(*make_hook())
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        x, y = _batch(rank, step)
-        F.cross_entropy(ddp_model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return _params(ddp_model)
+    return params(ddp_model)
 
 
 def _allreduce():
@@ -160,14 +132,6 @@ def _into_a_new_tensor():
     return None, hook
 
 
-def _powersgd():
-    # Error feedback and warm start on (torch's defaults); plain all_reduce for 3 iterations.
-    state = powerSGD_hook.PowerSGDState(
-        process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=3
-    )
-    return state, powerSGD_hook.powerSGD_hook
-
-
 def _sgd_in_the_hook():
     """torch's hook wrapper that steps a functional SGD on each bucket's parameters once the
     bucket is reduced (what DDP's _register_fused_optim registers)."""
@@ -183,26 +147,26 @@ def _sgd_in_the_hook():
 
 def optimizer_in_the_hook(DDP, rank: int) -> torch.Tensor:  # noqa: N803
     """No optimizer.step(): the hook steps each bucket's parameters as its reduction ends."""
-    ddp_model = DDP(_mlp(), bucket_cap_mb=0.002)
+    ddp_model = DDP(mlp(), bucket_cap_mb=0.002)
     ddp_model.register_comm_hook(*_sgd_in_the_hook())
     for step in range(STEPS):
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         F.cross_entropy(ddp_model(x), y).backward()
         ddp_model.zero_grad(set_to_none=True)
-    return _params(ddp_model)
+    return params(ddp_model)
 
 
 def uneven_with_join(DDP, rank: int) -> torch.Tensor:  # noqa: N803
     """The join tutorial: model.join() with rank 1 holding 3 more batches."""
-    ddp_model = DDP(_mlp())
+    ddp_model = DDP(mlp())
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.05)
     with ddp_model.join():
         for step in range(5 + 3 * rank):
-            x, y = _batch(rank, step)
+            x, y = batch(rank, step)
             optimizer.zero_grad()
             F.cross_entropy(ddp_model(x), y).backward()
             optimizer.step()
-    return _params(ddp_model)
+    return params(ddp_model)
 
 
 PROGRAMS = {
@@ -210,13 +174,14 @@ PROGRAMS = {
     "tutorial_checkpoint": tutorial_checkpoint,
     "positional_arguments": positional_arguments,
     "accumulate_with_no_sync": accumulate_with_no_sync,
-    "allreduce_hook": functools.partial(_hooked, make_hook=_allreduce, bucket_cap_mb=0.002),
-    "fp16_compress_hook": functools.partial(_hooked, make_hook=_fp16, bucket_cap_mb=0.002),
+    "allreduce_hook": functools.partial(hooked, make_hook=_allreduce, bucket_cap_mb=0.002),
+    "fp16_compress_hook": functools.partial(hooked, make_hook=_fp16, bucket_cap_mb=0.002),
     "hook_returning_a_new_tensor": functools.partial(
-        _hooked, make_hook=_into_a_new_tensor, bucket_cap_mb=0.002
+        hooked, make_hook=_into_a_new_tensor, bucket_cap_mb=0.002
     ),
-    # One bucket: official DDP's PowerSGD crashes on gloo with several (see below).
-    "powerSGD_hook": functools.partial(_hooked, make_hook=_powersgd, bucket_cap_mb=25),
+    # One bucket: official DDP's PowerSGD crashes on gloo with several
+    # (tests/ddp/test_beyond_torch_ddp.py).
+    "powerSGD_hook": functools.partial(hooked, make_hook=powersgd, bucket_cap_mb=25),
     "uneven_with_join": uneven_with_join,
     "optimizer_in_the_hook": optimizer_in_the_hook,
 }
@@ -253,7 +218,7 @@ def _renamed(hook):
 
 def _powersgd_wrapped(wrapper):
     def make():
-        return _powersgd()[0], wrapper(powerSGD_hook.powerSGD_hook)
+        return powersgd()[0], wrapper(powerSGD_hook.powerSGD_hook)
 
     return make
 
@@ -289,18 +254,18 @@ WRAPPERS = {
 def _wrapped(DDP, rank: int, make_hook, bucket_cap_mb: float) -> dict:  # noqa: N803
     """The first backward's gradients (from rank 0's weights), and the parameters after STEPS
     SGD steps."""
-    ddp_model = DDP(_mlp(), bucket_cap_mb=bucket_cap_mb)
+    ddp_model = DDP(mlp(), bucket_cap_mb=bucket_cap_mb)
     ddp_model.register_comm_hook(*make_hook())
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.1, momentum=0.9)
     first = None
     for step in range(STEPS):
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         F.cross_entropy(ddp_model(x), y).backward()
         if first is None:
             first = torch.cat([p.grad.reshape(-1) for p in ddp_model.parameters()])
         optimizer.step()
         optimizer.zero_grad()
-    return {"first_grads": first, "params": _params(ddp_model)}
+    return {"first_grads": first, "params": params(ddp_model)}
 
 
 def _case_wrappers(info) -> dict:
@@ -324,70 +289,6 @@ def test_torch_hook_wrappers_reduce_as_on_torch_ddp(world, name):
         assert torch.equal(ours["first_grads"], theirs["first_grads"]), rank
         assert torch.equal(ours["params"], theirs["params"]), rank
         assert torch.equal(ours["params"], results[0][name]["ours"]["params"]), rank
-
-
-# ------------------------------------------------------------------------------ beyond torch
-def _case_powersgd_many_buckets(info) -> dict:
-    """torch's PowerSGD over several buckets: official DDP's callbacks issue all_reduces
-    concurrently on gloo (an abort); ddptrain runs buckets one at a time."""
-    make = functools.partial(_hooked, ddptrain.DDP, info.rank, _powersgd)
-    many = make(bucket_cap_mb=0.002)
-    model = ddptrain.DDP(_mlp(), bucket_cap_mb=0.002)
-    return {"params": many, "buckets": len(model.bucket_sizes_bytes)}
-
-
-def test_powersgd_runs_over_many_buckets(world):
-    """PowerSGD with several buckets trains on gloo, replicas bitwise equal."""
-    results = worlds.outcome(world(WORLD_SIZE), "powersgd_many_buckets")
-    assert results[0]["buckets"] > 2
-    for r in results:
-        assert bool(torch.isfinite(r["params"]).all())
-        assert torch.equal(r["params"], results[0]["params"])
-
-
-def _zero_run(rank: int, batches: int, make_optimizer, join: bool, pad_to: int = 0, micro: int = 1):
-    """Steps of `micro` batches each (all but the last under no_sync()); a step past
-    `batches` adds zero gradients."""
-    model = ddptrain.DDP(_mlp())
-    optimizer = make_optimizer(model.parameters())
-    with Join([model, optimizer]) if join else nullcontext():
-        for step in range(max(batches, pad_to)):
-            for m in range(micro):
-                x, y = _batch(rank, micro * step + m)
-                with model.no_sync() if m < micro - 1 else nullcontext():
-                    loss = F.cross_entropy(model(x), y)
-                    (loss if step < batches else loss * 0).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    return _params(model)
-
-
-def _case_join_with_zero(info) -> dict:
-    """Join([model, optimizer]) with ZeRO (ddptrain's and torch's): a joined rank keeps
-    stepping its shard with the others' mean, as if it added zero gradients."""
-    # Imported here: importing torch.distributed.optim warns that torch.jit.script is deprecated.
-    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
-
-    batches = [4, 7][info.rank]
-    ours = functools.partial(ddptrain.ZeroRedundancyOptimizer, optimizer_class=torch.optim.AdamW)
-    torchs = functools.partial(TorchZero, optimizer_class=torch.optim.AdamW)
-    return {
-        "ours": _zero_run(info.rank, batches, ours, join=True),
-        "torch_zero": _zero_run(info.rank, batches, torchs, join=True),
-        "padded": _zero_run(info.rank, batches, ours, join=False, pad_to=7),
-        "accumulating": _zero_run(info.rank, batches, ours, join=True, micro=2),
-        "accumulating_padded": _zero_run(info.rank, batches, ours, join=False, pad_to=7, micro=2),
-    }
-
-
-def test_join_with_zero_optimizers_equals_zero_gradient_steps(world):
-    """torch's Join([model, ZeroRedundancyOptimizer]) on ddptrain's wrapper, with ddptrain's
-    ZeRO or torch's, and with steps of 2 micro-batches (one under no_sync): bitwise the run
-    where the short rank steps on zero gradients."""
-    for r in worlds.outcome(world(WORLD_SIZE), "join_with_zero"):
-        assert torch.equal(r["ours"], r["padded"])
-        assert torch.equal(r["torch_zero"], r["padded"])
-        assert torch.equal(r["accumulating"], r["accumulating_padded"])
 
 
 # ------------------------------------------------------------------------------ refusals
@@ -436,8 +337,6 @@ def test_torch_arguments_err_as_torch_does(world):
 CASES = {
     "programs": _case_programs,
     "wrappers": _case_wrappers,
-    "powersgd_many_buckets": _case_powersgd_many_buckets,
-    "join_with_zero": _case_join_with_zero,
     "refusals": _case_refusals,
 }
 world = worlds.fixture(CASES, {WORLD_SIZE: list(CASES)}, timeout_s=300)

@@ -6,7 +6,7 @@
 spawn forks its ranks from a server that imported torch once, where a launcher starts a fresh
 interpreter per rank (2-3 s each here). The ranks are the same world (RANK, WORLD_SIZE, one
 host), so what they compute is what torchrun's ranks compute; torchrun itself is covered by
-tests/test_recipe.py and tests/train/test_faults.py.
+tests/test_recipe.py and tests/train/test_launcher_faults.py.
 """
 
 from __future__ import annotations

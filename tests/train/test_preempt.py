@@ -3,7 +3,7 @@ with exit code 76; the same run started again ends bitwise equal to one never st
 checkpoints agree across ranks. Unit tests of the parts that need no processes.
 
 Spawned ranks send the signal to themselves (ToyTrainer's fault), so the step it lands in is
-known; tests/train/test_faults.py sends it from outside, to torchrun.
+known; tests/train/test_launcher_faults.py sends it from outside, to torchrun.
 """
 
 from __future__ import annotations
