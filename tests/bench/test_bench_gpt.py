@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ddptrain.bench import gpt
+from ddptrain.bench import gpt, gpt_report
 
 
 def test_steady_rates_leave_out_warm_up_and_evaluations():
@@ -16,10 +16,10 @@ def test_steady_rates_leave_out_warm_up_and_evaluations():
     # Step k ends at ends[k - 1]; step 1 compiles (10 s), step 3's interval to 4 evaluates.
     wall = [10.0, 10.5, 11.0, 14.0, 14.5, 15.0, 18.0, 18.5, 18.9]
     ends = [(w, w / 2) for w in wall]
-    assert gpt.steady_tokens_per_s(ends, 100, skip=1, eval_every=3) == pytest.approx(200.0)
-    assert gpt.cpu_ms_per_step(ends, skip=1, eval_every=3) == pytest.approx(250.0)
+    assert gpt_report.steady_tokens_per_s(ends, 100, skip=1, eval_every=3) == pytest.approx(200.0)
+    assert gpt_report.cpu_ms_per_step(ends, skip=1, eval_every=3) == pytest.approx(250.0)
     with pytest.raises(ValueError, match="raise --steps"):
-        gpt.steady_tokens_per_s(ends[:2], 100, skip=1, eval_every=3)
+        gpt_report.steady_tokens_per_s(ends[:2], 100, skip=1, eval_every=3)
 
 
 def _run(seconds_per_step: float, curve: list) -> list[dict]:
@@ -39,7 +39,7 @@ def test_summary_pairs_the_loops_and_measures_the_curves_apart():
         }
     ]
     settings = {"skip_steps": 1, "eval_every": 100}
-    result = gpt.summarize(runs, settings)
+    result = gpt_report.summarize(runs, settings)
     [pair] = result["pairs"]
     assert (pair["ddptrain"], pair["plain"]) == ("ddptrain", "plain")
     assert pair["ratio"] == pytest.approx(2.0) and pair["paired"] == pytest.approx(2.0)
@@ -54,13 +54,17 @@ def test_mfu_is_the_models_flops_at_the_measured_rate_over_the_cards_peak():
     over that peak; the datasheet table names H100s and H200s at bf16, and no CPU."""
     runs = [{"ddptrain": _run(0.5, []), "plain": _run(0.25, [])}]
     settings = {"skip_steps": 1, "eval_every": 100, "flops_per_token": 1e9, "peak_flops": 1e12}
-    v = gpt.summarize(runs, settings)["variants"]
+    v = gpt_report.summarize(runs, settings)["variants"]
     assert v["ddptrain"]["mfu"] == pytest.approx(64 / 0.5 * 1e9 / 1e12)
     assert v["plain"]["mfu"] == pytest.approx(2 * v["ddptrain"]["mfu"])
-    assert gpt.peak_flops("NVIDIA H200", "bf16") == gpt.peak_flops("NVIDIA H100 80GB HBM3", "bf16")
-    assert gpt.peak_flops("NVIDIA H200", "fp32") < gpt.peak_flops("NVIDIA H200", "bf16")
-    assert gpt.peak_flops("cpu", "bf16") is None
-    no_peak = gpt.summarize(runs, {"skip_steps": 1, "eval_every": 100, "peak_flops": None})
+    assert gpt_report.peak_flops("NVIDIA H200", "bf16") == gpt_report.peak_flops(
+        "NVIDIA H100 80GB HBM3", "bf16"
+    )
+    assert gpt_report.peak_flops("NVIDIA H200", "fp32") < gpt_report.peak_flops(
+        "NVIDIA H200", "bf16"
+    )
+    assert gpt_report.peak_flops("cpu", "bf16") is None
+    no_peak = gpt_report.summarize(runs, {"skip_steps": 1, "eval_every": 100, "peak_flops": None})
     assert "mfu" not in no_peak["variants"]["plain"]
 
 
