@@ -10,7 +10,7 @@
     tracer = StepTracer((5, 7), "runs/x", rank)           # what TrainerConfig.profile_steps does
     tracer.before_step(step + 1); ...; tracer.after_step(step + 1)
 
-Marks are free while no trace is taken (`ddptrain.ddp.reducer.span` says why). The profiler
+Marks are free while no trace is taken (`ddptrain.ddp.spans` says why). The profiler
 records every thread, so a bucket's reduction on the wrapper's communication thread shows up
 beside the backward pass that it overlaps.
 """
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from ddptrain.ddp import reducer
-from ddptrain.ddp.reducer import span as mark
+from ddptrain.ddp import spans
+from ddptrain.ddp.spans import span as mark
 
 __all__ = ["StepTracer", "mark", "marks_on", "range_missed", "trace", "trace_path"]
 
@@ -35,11 +35,11 @@ __all__ = ["StepTracer", "mark", "marks_on", "range_missed", "trace", "trace_pat
 @contextlib.contextmanager
 def marks_on() -> Iterator[None]:
     """Turn marks on for a profiler you run yourself (torch.profiler.profile)."""
-    previous, reducer.tracing = reducer.tracing, True
+    previous, spans.tracing = spans.tracing, True
     try:
         yield
     finally:
-        reducer.tracing = previous
+        spans.tracing = previous
 
 
 def _profiler() -> profile:
@@ -93,7 +93,7 @@ class StepTracer:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._prof = _profiler()
         self._prof.start()
-        self._was_active, reducer.tracing = reducer.tracing, True
+        self._was_active, spans.tracing = spans.tracing, True
         # Ranks start their profilers at different moments; meeting here keeps that skew out
         # of the first profiled step's wait for buckets.
         if dist.is_initialized():
@@ -110,6 +110,6 @@ class StepTracer:
             return
         prof, self._prof = self._prof, None
         self._done = True
-        reducer.tracing = self._was_active
+        spans.tracing = self._was_active
         prof.stop()
         prof.export_chrome_trace(str(self.path))

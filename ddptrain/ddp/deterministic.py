@@ -39,7 +39,8 @@ from ddptrain.ddp.exact import (
 )
 from ddptrain.ddp.hooks import CommHook, GradBucket, Transport, global_rank, transport_hook
 from ddptrain.ddp.micro_batches import MicroBatchForwards
-from ddptrain.ddp.reducer import Reducer, refuse_create_graph, span
+from ddptrain.ddp.reducer import Reducer, refuse_create_graph
+from ddptrain.ddp.spans import span
 
 # Gradients wait to be rounded until this many elements wait (or their backward ends, or their
 # bucket is full), then go in one call per operation: a small tensor's conversion costs its

@@ -23,7 +23,6 @@ the Trainer's stop at a step boundary rides on. With a torch hook it is one smal
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import time
 import weakref
@@ -32,7 +31,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from ddptrain.ddp.buckets import (
     Bucket,
@@ -52,18 +50,7 @@ from ddptrain.ddp.hooks import (
     transport_hook,
 )
 from ddptrain.ddp.replicas import ModelBuffers
-
-# Spans in torch.profiler traces are off unless ddptrain.profiling turns them on while it
-# traces: record_function has a cost even with no profiler, and hooks run per parameter.
-tracing = False
-_OFF = contextlib.nullcontext()
-
-
-def span(name: str, index: int | None = None) -> contextlib.AbstractContextManager[Any]:
-    """A record_function span named `name` (plus ` {index}`) while tracing, else a no-op."""
-    if not tracing:
-        return _OFF
-    return record_function(name if index is None else f"{name} {index}")
+from ddptrain.ddp.spans import OFF, span
 
 
 class Phase(enum.Enum):
@@ -405,4 +392,4 @@ def refuse_create_graph(grad: torch.Tensor | None) -> None:
 
 def _on_device(tensor: torch.Tensor) -> Any:
     """The tensor's CUDA device as current (on the communication thread), else nothing."""
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else _OFF
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else OFF
