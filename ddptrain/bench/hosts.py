@@ -179,7 +179,9 @@ def run_launchers(commands: list[list[str]], envs: list[dict[str, str]], timeout
                     kill_tree(proc)
         outputs = [path.read_text() for path in paths]
     if codes != [0] * len(commands):
-        why = f"timed out after {timeout_s:.0f} s" if None in codes else "failed"
+        # A launcher still running when another failed was stopped, not timed out.
+        failed = any(c not in (None, 0) for c in codes)
+        why = "failed" if failed else f"timed out after {timeout_s:.0f} s"
         tails = "\n".join(
             f"--- host {name}: {' '.join(c)}\n{o[-_LOG_TAIL_CHARS:]}"
             for name, c, o in zip("ab", commands, outputs, strict=False)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -33,7 +34,14 @@ from typing import Any
 
 from ddptrain.bench.report import machine
 from ddptrain.plan import DEFAULT_LINKS, DEFAULT_STRATEGIES, plan, resolve_link
-from ddptrain.plan.check import beyond_gpus, compare, run_local, run_two_hosts, wait_for_quiet
+from ddptrain.plan.check import (
+    beyond_gpus,
+    compare,
+    run_local,
+    run_twice_at_most,
+    run_two_hosts,
+    wait_for_quiet,
+)
 from ddptrain.plan.links import NAMED, BusLink, LocalLink, ShapedLink
 from ddptrain.plan.meter import DEVICES
 from ddptrain.plan.predict import predict
@@ -158,9 +166,10 @@ def _check(args: argparse.Namespace, result: Any, link: Any) -> list[dict[str, A
                 busy = wait_for_quiet(args.quiet_below, args.quiet_wait_s)
             point = predict(setup, prof, link, [n], background=busy).points[0]
             if isinstance(link, ShapedLink):
-                measured = run_two_hosts(setup, link.name, args.steps)
+                run = functools.partial(run_two_hosts, setup, link.name, args.steps)
             else:
-                measured = run_local(setup, n, args.steps)
+                run = functools.partial(run_local, setup, n, args.steps)
+            measured = run_twice_at_most(run, f"{setup.label} ws{n} {link.name}")
             rows.append(compare(setup, point, measured, link.name, busy))
             print(format_check(rows[-1:]).splitlines()[1], flush=True)
     return rows

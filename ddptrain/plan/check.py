@@ -21,15 +21,18 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import ddptrain
 from ddptrain.bench import link as bench_link
-from ddptrain.bench.hosts import run_launchers, terminate_as_exit
+from ddptrain.bench.hosts import RunFailed, run_launchers, terminate_as_exit
+from ddptrain.launch.spawn import WorkerError
 from ddptrain.netns import torchrun, two_hosts
 from ddptrain.plan.calibrate import background_threads
 from ddptrain.plan.predict import Point
@@ -102,6 +105,17 @@ def run_two_hosts(
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {**summarize(ranks), "link_probe": shaping["probe"]}
+
+
+def run_twice_at_most(run: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
+    """`run()`, and once more if its ranks fail: gloo on this CPU build sometimes aborts a rank
+    (SIGABRT) in a run that passes the next time. A second failure is raised."""
+    try:
+        return run()
+    except (RunFailed, WorkerError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"{what}: {first}; running it once more", file=sys.stderr, flush=True)
+        return run()
 
 
 def wait_for_quiet(threshold: float | None, max_wait_s: float) -> float:

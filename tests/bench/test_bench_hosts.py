@@ -166,6 +166,14 @@ def test_link_flag_sets_the_slow_link_defaults_which_given_flags_override():
         bench_hosts.parse_args(["--two-hosts", "--link", "fast"])
 
 
+def test_a_launcher_that_fails_stops_the_other_and_is_not_called_a_timeout():
+    """One launcher exiting 3 while the other would sleep a minute: RunFailed says "failed"
+    with both exit codes (the other stopped, None), at once, not after the timeout."""
+    commands = [[sys.executable, "-c", "raise SystemExit(3)"], ["sleep", "60"]]
+    with pytest.raises(bench_hosts.RunFailed, match=r"failed \(launcher exit codes \[3, None\]\)"):
+        bench_hosts.run_launchers(commands, [dict(os.environ)] * 2, timeout_s=50)
+
+
 @pytest.mark.slow
 def test_two_hosts_timeout_kills_the_launchers_and_deletes_the_namespaces(root_and_netns, tmp_path):
     """A run past --timeout-s raises RunFailed naming the timeout; no namespace, no process of

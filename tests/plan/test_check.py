@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ddptrain.bench.hosts import RunFailed
 from ddptrain.plan import plan
-from ddptrain.plan.check import compare, run_local
+from ddptrain.plan.check import compare, run_local, run_twice_at_most
 from ddptrain.plan.predict import Point, Prediction, largest_efficient, pick, set_efficiency
 from ddptrain.plan.report import format_picks, plot
 from ddptrain.plan.run import Steps
@@ -89,3 +90,26 @@ def test_the_chart_is_a_png_of_the_predictions(tmp_path):
     path = tmp_path / "plan.png"
     assert plot(predictions, [], path, "toy")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_run_is_run_once_more_and_a_second_failure_is_raised(capsys):
+    """A run whose ranks fail once is run again and its figures kept, with one line saying so;
+    one that fails twice raises the second failure."""
+    calls = []
+
+    def flaky() -> dict:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RunFailed("two-host bench failed (launcher exit codes [-6, None])")
+        return {"step_s": 0.5}
+
+    assert run_twice_at_most(flaky, "lenet zero3 ws2 1gbit") == {"step_s": 0.5}
+    assert len(calls) == 2
+    assert "lenet zero3 ws2 1gbit: two-host bench failed" in capsys.readouterr().err
+
+    def broken() -> dict:
+        calls.append(1)
+        raise RunFailed(f"failure {len(calls)}")
+
+    with pytest.raises(RunFailed, match="failure 4"):
+        run_twice_at_most(broken, "x")
