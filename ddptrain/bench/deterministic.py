@@ -46,9 +46,10 @@ import torch.nn.functional as F
 import ddptrain
 from ddptrain.bench.memory import (
     keep_freed_memory,
+    peak_figures,
     reset_peak_rss,
     return_freed_memory,
-    shm_mapped_bytes,
+    shared_files_bytes,
     status_field,
 )
 from ddptrain.bench.models import MODELS
@@ -119,12 +120,6 @@ def held_bytes(model: ddptrain.DDP) -> int:
     return held
 
 
-def _shared_rows_bytes() -> int:
-    """Bytes of this process's mappings of the shared-memory transport's files."""
-    with open("/proc/self/maps") as f:
-        return shm_mapped_bytes(f.read())
-
-
 def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, int]:
     freed_at_once = return_freed_memory()
     torch.set_num_threads(1)
@@ -138,7 +133,7 @@ def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, 
     exact.warm_up(MODELS[name][0]().parameters())
     compiler = status_field("VmRSS") - before_compiler
     before_model, code_before = status_field("VmRSS"), status_field("RssFile")
-    shared_before, rows_before = status_field("RssShmem"), _shared_rows_bytes()
+    shared_before, rows_before = status_field("RssShmem"), shared_files_bytes()
     model, opt = _wrap(name, mode)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     reset = reset_peak_rss()
@@ -150,10 +145,11 @@ def _memory_worker(name: str, mode: str, args: argparse.Namespace) -> dict[str, 
     # The shared rows' pages this rank touched (its own, and parts of the others' that it
     # sums or writes: still there at the end), counted instead as its share of the host's.
     touched = status_field("RssShmem") - shared_before
-    share = (_shared_rows_bytes() - rows_before) // info.world_size
+    mapped = shared_files_bytes() - rows_before
+    share = peak_figures(peak, touched, mapped, info.world_size)["peak_host_share_bytes"]
     return {
         "train_peak_bytes": peak,
-        "train_peak_share_bytes": peak - touched + share if reset else 0,
+        "train_peak_share_bytes": share if reset else 0,
         "held_bytes": held_bytes(model),
         "grad_bytes": grad_bytes,
         "compiler_bytes": compiler,

@@ -97,9 +97,14 @@ def peak_figures(peak: int, shmem: int, mapped: int, world_size: int) -> dict[st
     }
 
 
-def _measure(world_size: int) -> dict[str, int]:
+def shared_files_bytes() -> int:
+    """Bytes of this process's mappings of the shared-memory transport's files, now."""
     with open("/proc/self/maps") as f:
-        mapped = shm_mapped_bytes(f.read())
+        return shm_mapped_bytes(f.read())
+
+
+def _measure(world_size: int) -> dict[str, int]:
+    mapped = shared_files_bytes()
     with open("/proc/self/status") as f:
         shmem = status_bytes(f.read(), "RssShmem")
     # Linux reports ru_maxrss in KiB.
