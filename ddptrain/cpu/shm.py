@@ -151,22 +151,25 @@ class SharedMemory(Transport):
         """Sum the bucket over ranks in place: through shared memory when it was allocated
         here, else with the backend's all_reduce."""
         self._check_open()
-        flat = bucket.buffer()
         if self.world_size == 1:
             return
-        rows = self._shared.get(flat.data_ptr())
-        if rows is None or rows.numel != flat.numel():
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+        rows = self._rows_of(bucket)
+        if rows is None:
+            dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=self.group)
             return
         # The last bucket is reduced by the thread that waits for it: poll, do not sleep.
         spin = bucket.is_last()
         self._barrier.wait(spin)
-        if rows.mine is not None:
-            for other in rows.others:
-                rows.mine.add_(other)
+        if rows.sum_mine():
             for other in rows.others:
                 other.copy_(rows.mine)
         self._barrier.wait(spin)
+
+    def _rows_of(self, bucket: GradBucket) -> _SharedRows | None:
+        """The shared rows of a bucket allocated here, else None (a private bucket)."""
+        flat = bucket.buffer()
+        rows = self._shared.get(flat.data_ptr())
+        return rows if rows is not None and rows.numel == flat.numel() else None
 
     def reduce_finished(self, bucket: GradBucket, finish: hooks.Finish, value: int) -> bool:
         """Sum a shared bucket and finish it chunk by chunk: rank r finishes the chunk it
@@ -174,17 +177,14 @@ class SharedMemory(Transport):
         chunks), writes the result into every row. Three barriers, and each chunk finished
         once, instead of two and every rank finishing the whole bucket."""
         self._check_open()
-        flat = bucket.buffer()
-        rows = self._shared.get(flat.data_ptr())
-        if self.world_size == 1 or rows is None or rows.numel != flat.numel():
+        rows = self._rows_of(bucket)
+        if self.world_size == 1 or rows is None:
             return False
         spin = bucket.is_last()
         self._barrier.wait(spin, value)
         total = self._barrier.total()
         writes: list[tuple[int, torch.Tensor]] = []
-        if rows.mine is not None:
-            for other in rows.others:
-                rows.mine.add_(other)
+        if rows.sum_mine():
             writes = finish(rows.start, rows.mine, total)
         self._barrier.wait(spin)
         if writes:
@@ -261,6 +261,14 @@ class _SharedRows:
         self.mine = rows[rank, lo:hi] if hi > lo else None
         self.others = [rows[k, lo:hi] for k in range(world_size) if k != rank]
         self.as_bytes = list(rows.view(torch.uint8))
+
+    def sum_mine(self) -> bool:
+        """Add the others' chunks into this rank's; False where this rank has no chunk."""
+        if self.mine is None:
+            return False
+        for other in self.others:
+            self.mine.add_(other)
+        return True
 
 
 class _BroadcastPlan:
