@@ -135,6 +135,10 @@ def _resumes_bitwise(tmp_path: Path, name: str) -> bool:
     return all(torch.equal(x, y) for x, y in zip(resumed, straight, strict=True))
 
 
+# torchrun dies on SIGUSR1 unless told to forward it.
+FORWARD_SIGUSR1 = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+
+
 @pytest.mark.parametrize(
     ("launcher", "number", "torchrun_flags"),
     [
@@ -144,7 +148,7 @@ def _resumes_bitwise(tmp_path: Path, name: str) -> bool:
         pytest.param(
             "torchrun",
             signal.SIGUSR1,
-            ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"],
+            FORWARD_SIGUSR1,
             marks=pytest.mark.slow,
             id="SIGUSR1-forwarded",
         ),
@@ -153,7 +157,7 @@ def _resumes_bitwise(tmp_path: Path, name: str) -> bool:
         pytest.param(
             "ddptrain-run",
             signal.SIGUSR1,
-            ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"],
+            FORWARD_SIGUSR1,
             marks=pytest.mark.slow,
             id="ddptrain-run-SIGUSR1-forwarded",
         ),
