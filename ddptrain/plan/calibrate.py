@@ -5,15 +5,18 @@
     busy = background_threads()         # other programs' busy threads on the cores, now
 
 One host: each world size gets one spawned world that times, from a barrier, every operation at
-every size (median of REPEATS; the CPU seconds of every thread of the process, and the wall
-seconds, of the busiest rank), as the wrappers run them: "reduce" is the shared-memory
+every size (the median of REPEATS, or of as many as fill TIMED_S, up to MAX_REPEATS; the CPU
+seconds of every thread of the process, and the wall seconds, of the busiest rank), as the
+wrappers run them: "reduce" is the shared-memory
 transport's (cpu/shm.py) on a bucket it allocated, "reduce_tcp" the TCP transport's (cpu/tcp.py,
 the default across hosts; here over loopback), "all_gather" gloo's into a freshly allocated
 output (the sharded wrapper gathers each unit into memory it just mapped), "reduce_scatter" and
 "broadcast" gloo's. One process also times a pass over fresh and over mapped memory (the
-sharded wrapper's packing). Two hosts: the same at world size 2, one rank in each namespace,
-the veth shaped as `python -m ddptrain.bench --two-hosts --link RATE` shapes it (bench/link.py),
-sizes up to what the link carries in about a second. glibc returns freed blocks at once, as in
+sharded wrapper's packing). Meetings: what ranks that arrive at a collective from their own
+compute lose waiting for each other, beyond its time from a barrier (`_meeting`). Two hosts:
+the same at world size 2, one rank in each namespace, the veth shaped as `python -m
+ddptrain.bench --two-hosts --link RATE` shapes it (bench/link.py), sizes up to what the link
+carries in about a second. glibc returns freed blocks at once, as in
 --check. The cache is keyed by host name, CPU model, core count and torch version; delete it,
 or pass refresh=True, to measure again.
 """
@@ -38,8 +41,14 @@ from ddptrain.plan.links import LocalLink, ShapedLink, rate_bits
 
 SIZES = (4 << 10, 256 << 10, 2 << 20, 8 << 20, 32 << 20)
 REPEATS = 5
+# Small operations repeat until this long is spent: one wake-up late skews a median of five.
+TIMED_S = 0.25
+MAX_REPEATS = 41
 CACHE = Path.home() / ".cache" / "ddptrain" / "plan-links.json"
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
+# Meetings: cycles of this much compute, then a collective of the smallest size.
+MEETING_COMPUTE_S = 5e-3
+MEETING_CYCLES = 48
 # A shaped link is measured up to the size it carries in about this long.
 SHAPED_SECONDS = 0.8
 
@@ -107,6 +116,7 @@ def measured_shaped_link(rate: str, refresh: bool = False) -> ShapedLink:
         _store(name, cached)
     table = {op: [tuple(p) for p in pts] for op, pts in cached["cpu"].items()}
     walls = {op: [tuple(p) for p in pts] for op, pts in cached["wall"].items()}
+    meetings = {op: (m[0], m[1]) for op, m in cached["meet"].items()}
     return ShapedLink(
         rate_bits(rate),
         cached["round_trip_s"] / 2,
@@ -115,6 +125,7 @@ def measured_shaped_link(rate: str, refresh: bool = False) -> ShapedLink:
         description=f"two hosts, tc tbf {rate}",
         cpu_table=table,
         wall_table=walls,
+        meet_table=meetings,
         source=cached["source"],
     )
 
@@ -144,6 +155,7 @@ def _calibrate_two_hosts(rate: str) -> dict[str, Any]:
     return {
         "cpu": cpu,
         "wall": wall,
+        "meet": _slowest_meetings(ranks),
         "round_trip_s": probe["round_trip_us"] * 1e-6,
         "source": f"measured {time.strftime('%Y-%m-%d %H:%M')} over two namespaces, tc tbf "
         f"{rate}; probe {probe['mbit_per_s']:.0f} Mbit/s",
@@ -160,10 +172,20 @@ def _busiest(ranks: list[dict[str, Any]], key: str) -> dict[str, list[tuple[int,
     return out
 
 
+def _slowest_meetings(ranks: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """Per operation, the (idle, busy) meeting seconds of the rank that lost most."""
+    out = {}
+    for op in ranks[0].get("meet", {}):
+        idle, busy = zip(*(r["meet"][op] for r in ranks), strict=True)
+        out[op] = (max(idle), max(busy))
+    return out
+
+
 def calibrate(world_sizes: list[int]) -> LocalLink:
     """Measure every operation at every size at each world size (module docstring)."""
     table: dict[str, dict[int, list[tuple[int, float]]]] = {}
     walls: dict[str, dict[int, list[tuple[int, float]]]] = {}
+    meetings: dict[str, dict[int, tuple[float, float]]] = {}
     load = os.getloadavg()[0]
     for ws in world_sizes:
         per_rank = ddptrain.spawn(_measure_rank, ws, list(SIZES), timeout_s=900)
@@ -171,6 +193,8 @@ def calibrate(world_sizes: list[int]) -> LocalLink:
             table.setdefault(op, {})[ws] = points
         for op, points in _busiest(per_rank, "wall").items():
             walls.setdefault(op, {})[ws] = points
+        for op, seconds in _slowest_meetings(per_rank).items():
+            meetings.setdefault(op, {})[ws] = seconds
     fresh, mapped = ddptrain.spawn(_passes, 1, timeout_s=300)[0]
     source = (
         f"measured {time.strftime('%Y-%m-%d %H:%M')} on {machine_key()}, load before "
@@ -183,19 +207,27 @@ def calibrate(world_sizes: list[int]) -> LocalLink:
         fresh_pass_s_per_byte=fresh,
         pass_s_per_byte=mapped,
         wall_table=walls,
+        meet_table=meetings,
     )
 
 
 def _timed(fn: Any) -> tuple[float, float]:
     """Median (wall, CPU) seconds of `fn`, CPU of every thread of the process."""
     fn()
-    wall, cpu = [], []
-    for _ in range(REPEATS):
+    wall: list[float] = []
+    cpu: list[float] = []
+    while True:
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         wall.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
+        more = len(wall) < REPEATS or (sum(wall) < TIMED_S and len(wall) < MAX_REPEATS)
+        # Rank 0 decides for every rank: all must meet at as many barriers.
+        decided = torch.tensor([more])
+        dist.broadcast(decided, 0)
+        if not decided.item():
+            break
     return statistics.median(wall), statistics.median(cpu)
 
 
@@ -220,7 +252,13 @@ def _measure(sizes: list[int]) -> dict[str, Any]:
     if ws == 1:
         ops["reduce"] = [(s, 0.0) for s, _ in ops["broadcast"]]
         ops["reduce_tcp"] = list(ops["reduce"])
-    return {"ops": ops, "wall": walls}
+        return {"ops": ops, "wall": walls}
+    n = max(ws, sizes[0] // 4 // ws * ws)
+    meet = {
+        op: _meeting(fn, walls[op][0][1], ws)
+        for op, fn in _operations(n, ws, shm, tcp, last=False).items()
+    }
+    return {"ops": ops, "wall": walls, "meet": meet}
 
 
 def _measure_rank(sizes: list[int]) -> dict[str, Any]:
@@ -230,8 +268,9 @@ def _measure_rank(sizes: list[int]) -> dict[str, Any]:
         ddptrain.shutdown()
 
 
-def _operations(n: int, ws: int, shm: Any, tcp: Any) -> dict[str, Any]:
-    """Each operation on n float32 elements, as the wrappers run it (module docstring)."""
+def _operations(n: int, ws: int, shm: Any, tcp: Any, last: bool = True) -> dict[str, Any]:
+    """Each operation on n float32 elements, as the wrappers run it (module docstring); `last`:
+    a reduction is of the last bucket of a backward (its barriers poll longer)."""
     from ddptrain.ddp.hooks import GradBucket
     from ddptrain.fsdp.unit import all_gather_single, reduce_scatter_single
 
@@ -243,11 +282,70 @@ def _operations(n: int, ws: int, shm: Any, tcp: Any) -> dict[str, Any]:
     }
     if shm is not None:
         bucket = shm.allocate(n, torch.float32, torch.device("cpu"))
-        runs["reduce"] = lambda: shm.reduce(GradBucket(0, bucket, [], [], True))
+        runs["reduce"] = lambda: shm.reduce(GradBucket(0, bucket, [], [], last))
     if tcp is not None:
         private = torch.ones(n)
-        runs["reduce_tcp"] = lambda: tcp.reduce(GradBucket(0, private, [], [], True))
+        runs["reduce_tcp"] = lambda: tcp.reduce(GradBucket(0, private, [], [], last))
     return runs
+
+
+def _meeting(fn: Any, synced_s: float, ws: int) -> tuple[float, float]:
+    """Seconds lost meeting at `fn` beyond `synced_s`, its wall time from a barrier, averaged
+    over MEETING_CYCLES: (idle) every rank computes MEETING_COMPUTE_S of CPU, then runs it, on
+    one thread (the cycle beyond compute at a fair share of the cores, and synced_s); (busy)
+    another thread of every rank computes throughout while this one sleeps as long, then runs
+    it, as a communication thread does during backward (its wall beyond synced_s)."""
+    import threading
+
+    share = min(1.0, usable_cores() / ws)
+    burn = torch.ones(256, 256)
+
+    def compute(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            torch.mm(burn, burn)
+
+    def cycles(busy: bool) -> float:
+        dist.barrier()
+        fn()
+        took = []
+        for _ in range(MEETING_CYCLES):
+            start = time.perf_counter()
+            if busy:
+                time.sleep(MEETING_COMPUTE_S)
+                start = time.perf_counter()
+            else:
+                compute(MEETING_COMPUTE_S)
+            fn()
+            took.append(time.perf_counter() - start)
+        if busy:
+            return statistics.fmean(took) - synced_s
+        return statistics.fmean(took) - MEETING_COMPUTE_S / share - synced_s
+
+    idle = cycles(busy=False)
+    stop = threading.Event()
+
+    # A backward, as a training main thread runs: autograd's engine computes without the GIL
+    # (a loop of torch ops would hold it, and every wake-up of this thread would wait for it).
+    weights = [torch.randn(256, 256, requires_grad=True) for _ in range(8)]
+    out = burn
+    for w in weights:
+        out = torch.tanh(out @ w)
+    loss = out.sum()
+
+    def main_thread() -> None:
+        while not stop.is_set():
+            torch.autograd.grad(loss, weights, retain_graph=True)
+
+    computing = threading.Thread(target=main_thread, daemon=True)
+    computing.start()
+    try:
+        busy = cycles(busy=True)
+    finally:
+        stop.set()
+        computing.join()
+    dist.barrier()
+    return max(0.0, idle), max(0.0, busy)
 
 
 def _passes() -> tuple[float, float]:

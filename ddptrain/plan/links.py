@@ -47,6 +47,9 @@ class Cost:
 
     cpu_s: float = 0.0
     wire_s: float = 0.0
+    # Waiting for the peers to arrive: while the rank's main thread waits too, and computes.
+    meet_s: float = 0.0
+    meet_busy_s: float = 0.0
 
 
 def ring_factor(op: str, world_size: int) -> float:
@@ -86,6 +89,18 @@ class LocalLink:
     # Wall seconds of the same operations (the least a collective lasts: a rank waits for its
     # peers' copies and the loopback's wake-ups, not only for its own CPU); empty: CPU alone.
     wall_table: dict[str, dict[int, list[tuple[int, float]]]] = field(default_factory=dict)
+    # Seconds ranks arriving from their own compute wait for each other at a collective, beyond
+    # its wall time from a barrier: (main threads waiting too, main threads computing), per
+    # operation and world size (calibrate.py); empty: none.
+    meet_table: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+
+    def meeting_seconds(self, op: str, world_size: int) -> tuple[float, float]:
+        """Measured seconds (main thread waiting, main thread computing) ranks lose meeting at
+        `op`; a world size not measured takes the nearest one's."""
+        by_ws = self.meet_table.get(op)
+        if not by_ws or world_size <= 1:
+            return 0.0, 0.0
+        return by_ws[min(by_ws, key=lambda w: (abs(w - world_size), -w))]
 
     def cpu_seconds(self, op: str, nbytes: int, world_size: int) -> float:
         """Measured (interpolated) CPU seconds one rank spends on `op` of `nbytes`."""
@@ -113,7 +128,8 @@ class LocalLink:
         cpu = self.cpu_seconds(op, nbytes, world_size)
         if op not in self.wall_table or world_size <= 1:
             return Cost(cpu_s=cpu)
-        return Cost(cpu_s=cpu, wire_s=self._lookup(self.wall_table, op, nbytes, world_size))
+        wall = self._lookup(self.wall_table, op, nbytes, world_size)
+        return Cost(cpu, wall, *self.meeting_seconds(op, world_size))
 
     def cpu(self, world_size: int) -> tuple[float, int] | None:
         """(cores, ranks sharing them)."""
@@ -130,6 +146,9 @@ class LocalLink:
             "table": {op: {str(w): pts for w, pts in t.items()} for op, t in self.table.items()},
             "wall_table": {
                 op: {str(w): pts for w, pts in t.items()} for op, t in self.wall_table.items()
+            },
+            "meet_table": {
+                op: {str(w): list(s) for w, s in t.items()} for op, t in self.meet_table.items()
             },
         }
 
@@ -148,6 +167,10 @@ class LocalLink:
             fresh_pass_s_per_byte=d.get("fresh_pass_s_per_byte", 0.0),
             pass_s_per_byte=d.get("pass_s_per_byte", 0.0),
             wall_table=tables("wall_table"),
+            meet_table={
+                op: {int(w): (s[0], s[1]) for w, s in t.items()}
+                for op, t in d.get("meet_table", {}).items()
+            },
         )
 
 
@@ -169,6 +192,9 @@ class ShapedLink:
     # per operation, (bytes, CPU seconds) and (bytes, wall seconds); empty: the formula.
     cpu_table: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     wall_table: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # Per operation, (idle, busy) meeting seconds measured over the link itself; else this
+    # machine's at the world size (LocalLink.meet_table), where every rank shares its cores.
+    meet_table: dict[str, tuple[float, float]] = field(default_factory=dict)
     source: str = ""
 
     def cost(self, op: str, nbytes: int, world_size: int) -> Cost:
@@ -182,15 +208,19 @@ class ShapedLink:
             cpu = _interpolate(self.cpu_table[local_op], nbytes)
         else:
             cpu = self.local.cpu_seconds(local_op, nbytes, 2)
+        meet = self.meet_table.get(local_op)
+        if meet is None:
+            shared = self.shared_cores
+            meet = self.local.meeting_seconds(local_op, world_size) if shared else (0.0, 0.0)
         if local_op in self.wall_table:
             wire = _interpolate(self.wall_table[local_op], nbytes) * scale + hops
-            return Cost(cpu_s=cpu * scale, wire_s=wire)
+            return Cost(cpu * scale, wire, *meet)
         rate = self.rate_bits_per_s / 8 * TCP_PAYLOAD_EFFICIENCY
         wire = (
             GLOO_EXCESS.get(op, 1.0) * ring_factor(op, world_size) * nbytes / rate
             + ring_steps(op, world_size) * self.latency_s
         )
-        return Cost(cpu_s=cpu * scale, wire_s=wire)
+        return Cost(cpu * scale, wire, *meet)
 
     def cpu(self, world_size: int) -> tuple[float, int] | None:
         """(cores, ranks sharing them)."""

@@ -41,7 +41,7 @@ def bucket_bytes(profile: Profile) -> list[int]:
 
 def _job(name: str, link: Link, op: str, nbytes: int, world_size: int) -> Job:
     cost = link.cost(op, nbytes, world_size)
-    return Job(name, cost.cpu_s, cost.wire_s)
+    return Job(name, cost.cpu_s, cost.wire_s, cost.meet_s, cost.meet_busy_s)
 
 
 def ddp_ops(
@@ -63,7 +63,9 @@ def ddp_ops(
                 link.cost("reduce", q_bytes, world_size),
             )
             hook = profile.hook_s[b] if b < len(profile.hook_s) else 0.0
-            jobs.append(Job(f"bucket {b}", hook + p.cpu_s + q.cpu_s, p.wire_s + q.wire_s))
+            cpu, wire = hook + p.cpu_s + q.cpu_s, p.wire_s + q.wire_s
+            meet, busy = p.meet_s + q.meet_s, p.meet_busy_s + q.meet_busy_s
+            jobs.append(Job(f"bucket {b}", cpu, wire, meet, busy))
         else:
             nbytes = sum(profile.param_numels[i] for i in members) * profile.element_bytes
             jobs.append(_job(f"bucket {b}", link, "reduce", nbytes, world_size))

@@ -26,11 +26,21 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Job:
-    """A communication on this rank: CPU seconds at a full core, and its least duration."""
+    """A communication on this rank: first its meeting, seconds waiting for the peers with no
+    CPU (`meet_s` while the main thread waits, `meet_busy_s` while it computes; None: the same),
+    then CPU seconds at a full core, lasting at least `wire_s` from the meeting's end."""
 
     name: str
     cpu_s: float = 0.0
     wire_s: float = 0.0
+    meet_s: float = 0.0
+    meet_busy_s: float | None = None
+
+    def meeting_rate(self, main_busy: bool) -> float:
+        """The share of its meeting done per second."""
+        busy = self.meet_s if self.meet_busy_s is None else self.meet_busy_s
+        seconds = busy if main_busy else self.meet_s
+        return 1.0 / seconds if seconds > _EPS else float("inf")
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,11 @@ class _Running:
     job: Job
     start: float
     cpu_left: float
+    meeting_left: float = 1.0  # the share of its meeting still to go
+    met: float = 0.0  # when the meeting ended: its wire time counts from there
+
+    def computing(self) -> bool:
+        return self.cpu_left > _EPS and self.meeting_left <= _EPS
 
 
 def simulate(
@@ -129,7 +144,14 @@ def simulate(
         blocked = not main_busy and pc < len(ops)
         if not running and blocked:
             raise ValueError(f"Wait for {ops[pc].name!r}: no such job was launched")
-        busy = [q for q, r in running.items() if r.cpu_left > _EPS]
+        meeting = {}
+        for q, r in running.items():
+            pace = r.job.meeting_rate(main_busy) if r.meeting_left > 0 else 0.0
+            if pace == float("inf"):
+                r.meeting_left, r.met = 0.0, now
+            elif pace:
+                meeting[q] = pace
+        busy = [q for q, r in running.items() if r.computing()]
         active = len(busy) + (1 if main_busy else 0)
         demand = peers * active + background
         rate = 1.0 if cores is None or active == 0 else min(1.0, cores / demand)
@@ -137,11 +159,13 @@ def simulate(
         steps = []
         if main_busy:
             steps.append(compute_left / rate)
-        for r in running.values():
-            if r.cpu_left > _EPS:
+        for q, r in running.items():
+            if q in meeting:
+                steps.append(r.meeting_left / meeting[q])
+            elif r.cpu_left > _EPS:
                 steps.append(r.cpu_left / rate)
             else:
-                steps.append(max(0.0, r.start + r.job.wire_s - now))
+                steps.append(max(0.0, r.met + r.job.wire_s - now))
         dt = min(steps) if steps else 0.0
         now += dt
         if blocked:
@@ -153,9 +177,14 @@ def simulate(
                 pc += 1
         for queue in list(running):
             r = running[queue]
-            if r.cpu_left > _EPS:
+            if queue in meeting:
+                r.meeting_left -= dt * meeting[queue]
+                if r.meeting_left <= _EPS:
+                    r.meeting_left, r.met = 0.0, now
+                continue
+            if queue in busy:
                 r.cpu_left -= dt * rate
-            if r.cpu_left <= _EPS and now >= r.start + r.job.wire_s - _EPS:
+            if r.cpu_left <= _EPS and now >= r.met + r.job.wire_s - _EPS:
                 done[r.job.name] = (r.start, now)
                 del running[queue]
                 start_next(queue)

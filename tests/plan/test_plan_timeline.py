@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from ddptrain.plan.links import BusLink, ring_factor, ring_steps
+import ddptrain
+from ddptrain.plan.links import BusLink, LocalLink, ShapedLink, ring_factor, ring_steps
 from ddptrain.plan.predict import step_seconds
 from ddptrain.plan.setup import Setup
 from ddptrain.plan.steps import ddp_ops
 from ddptrain.plan.timeline import Alloc, Compute, Free, Job, Launch, Wait, simulate
-from support.plan_profiles import MIB, bus, ddp_profile, local
+from support.plan_profiles import MIB, bus, ddp_profile, local, meeting_of_a_sleep
 
 OPS = [Compute(0.010), Launch("comm", Job("b0", cpu_s=0.004)), Compute(0.010), Wait("b0")]
 
@@ -107,3 +108,51 @@ def test_a_local_collective_lasts_at_least_its_measured_wall_time():
     waiting = local(0.0, wall_s_per_byte=0.010 / (10 * MIB))
     assert step_seconds(setup, prof, waiting, 2) == pytest.approx((0.042, 0.032))
     assert step_seconds(setup, prof, local(0.0), 2) == pytest.approx((0.032, 0.032))
+
+
+@pytest.mark.parametrize("cores", [None, 1.0])
+def test_a_meeting_takes_no_cpu_and_goes_faster_once_the_main_thread_waits(cores):
+    """A job launched after 10 ms, meeting 2 ms idle or 4 ms busy, then 4 ms of CPU: the main
+    thread's 1 ms runs at full speed beside the meeting (a quarter of it done), the rest takes
+    1.5 ms while it waits, then the CPU: 16.5 ms, on one core as on many."""
+    job = Job("b0", cpu_s=0.004, meet_s=0.002, meet_busy_s=0.004)
+    ops = [Compute(0.010), Launch("comm", job), Compute(0.001), Wait("b0")]
+    result = simulate(ops, cores)
+    assert result.end_s == pytest.approx(0.0165)
+    assert result.jobs["b0"] == pytest.approx((0.010, 0.0165))
+
+
+def test_wire_time_counts_from_the_meetings_end():
+    """2 ms of meeting, then 5 ms on the wire with no CPU: the job lasts 7 ms."""
+    ops = [Launch("q", Job("a", wire_s=0.005, meet_s=0.002)), Wait("a")]
+    assert simulate(ops, 2.0).end_s == pytest.approx(0.007)
+
+
+def test_links_give_their_measured_meetings():
+    """A local link's meetings come from the nearest world size measured, none at one rank,
+    and survive its cache's round trip; a shaped link's own measured ones win over the local
+    machine's; PowerSGD's bucket meets twice (its two messages)."""
+    meetings = {"reduce": {2: (0.001, 0.003), 4: (0.002, 0.005)}}
+    here = LocalLink(local(0.0).table, 2.0, wall_table=local(0.0).wall_table, meet_table=meetings)
+    assert here.cost("reduce", MIB, 3).meet_s == 0.002  # nearest: 4 before 2
+    assert here.cost("reduce", MIB, 2).meet_busy_s == 0.003
+    assert here.cost("reduce", MIB, 1).meet_s == 0.0
+    assert LocalLink.from_dict(here.as_dict()).meet_table == meetings
+    shaped = ShapedLink(1e9, 0.0, here)
+    assert shaped.cost("reduce", MIB, 2).meet_s == here.meeting_seconds("reduce_tcp", 2)[0] == 0
+    own = ShapedLink(1e9, 0.0, here, meet_table={"reduce_tcp": (0.007, 0.009)})
+    assert (own.cost("reduce", MIB, 2).meet_s, own.cost("reduce", MIB, 2).meet_busy_s) == (
+        0.007,
+        0.009,
+    )
+    prof = ddp_profile(hook_s=[0.001, 0.001], param_shapes=[[640, 1024], [640, 1024]])
+    jobs = [op.job for op in ddp_ops(prof, here, 2, "powersgd") if isinstance(op, Launch)]
+    assert [(j.meet_s, j.meet_busy_s) for j in jobs] == [(0.002, 0.006)] * 2
+
+
+def test_calibrated_meeting_is_the_operations_time_beyond_compute():
+    """An operation that sleeps 2 ms, after 8 ms of compute: both meetings measure about its
+    2 ms, neither the compute nor the communication thread's sleep before it."""
+    idle, busy = ddptrain.spawn(meeting_of_a_sleep, 1, 0.008, 0.002, timeout_s=120)[0]
+    assert 0.0019 <= busy <= 0.0039
+    assert 0.0019 <= idle <= 0.0095

@@ -49,3 +49,19 @@ def local(cpu_s_per_byte: float, cores: float = 2.0, wall_s_per_byte: float = 0.
         return {op: {w: list(points) for w in (1, 2, 3, 4)} for op in ops}
 
     return LocalLink(table(cpu_s_per_byte), cores, wall_table=table(wall_s_per_byte))
+
+
+def meeting_of_a_sleep(compute_s: float, sleep_s: float) -> tuple[float, float]:
+    """In a spawned rank: calibrate's (idle, busy) meeting seconds of an operation that sleeps
+    `sleep_s`, cycles of `compute_s`, none of it counted as measured from a barrier."""
+    import time
+
+    import ddptrain
+    from ddptrain.plan import calibrate
+
+    calibrate.MEETING_COMPUTE_S, calibrate.MEETING_CYCLES = compute_s, 12
+    ddptrain.init_distributed()
+    try:
+        return calibrate._meeting(lambda: time.sleep(sleep_s), 0.0, 1)
+    finally:
+        ddptrain.shutdown()
