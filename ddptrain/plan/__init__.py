@@ -90,6 +90,9 @@ class Plan:
             "predictions": [p.as_dict() for p in self.predictions],
             "picked": {n: self.picked(n) for n in self.world_sizes},
             "largest_efficient": self.largest_efficient,
+            # What the predictions were made from: with the link's figures, they can be
+            # remade (predict.predict) after the model changes.
+            "profiles": [p.as_dict() for p in self.profiles],
         }
 
 

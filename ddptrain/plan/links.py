@@ -1,10 +1,11 @@
-"""What a collective costs one rank on a link: CPU seconds, and the least time on the wire.
+"""What a collective costs one rank on a link: CPU seconds, the least time on the wire, and
+the wait for its peers to arrive.
 
     link = local_link()                       # this machine: measured once (calibrate.py), cached
     link = shaped_link("1gbit", local)        # two hosts joined by a link of that rate
     link = link_from_rate(25e9, 20e-6)        # any bandwidth (bits/s) and latency (s), on GPUs
     link = named_link("nccl-100g")            # a profile whose figures cite their source
-    cost = link.cost("reduce", 64 << 20, world_size=4)     # Cost(cpu_s, wire_s)
+    cost = link.cost("reduce", 64 << 20, world_size=4)  # Cost(cpu_s, wire_s, meet_s, meet_busy_s)
 
 Operations, with `nbytes` as NCCL's tests count S (nccl-tests doc/PERFORMANCE.md): "reduce"
 (the wrapper's bucket all-reduce: S is the bucket), "all_gather" (S is the gathered output),
@@ -17,12 +18,15 @@ rank moves factor * S bytes: 2(n-1)/n for reduce, (n-1)/n for all_gather and red
   (every thread of the process, the kernel's copies included) and, as the least it lasts, its
   wall seconds, measured per world size and size (calibrate.py) and interpolated linearly in
   size; a world size not measured takes the nearest one's scaled by the ring factor. `cpu()`
-  says which cores the ranks share.
+  says which cores the ranks share. Its meetings: the seconds ranks arriving from their own
+  compute lose waiting for each other, measured per operation and world size with the main
+  threads waiting and computing (calibrate.py).
 - A shaped link between hosts (`ShapedLink`): the CPU a collective costs here (the TCP
   transport's for "reduce", gloo's for the rest), and factor * S / (rate * efficiency) + steps
-  * latency on the wire; TCP/IP headers leave 1448 payload bytes of each 1514-byte frame.
+  * latency on the wire; TCP/IP headers leave 1448 payload bytes of each 1514-byte frame. Its
+  meetings are those measured over it, else this machine's.
 - A GPU link (`BusLink`): NCCL's bus bandwidth B per rank: factor * S / B + steps * latency;
-  no CPU (the GPU computes, the NIC and NCCL's kernels move the bytes).
+  no CPU (the GPU computes, the NIC and NCCL's kernels move the bytes), no meetings modelled.
 """
 
 from __future__ import annotations

@@ -9,14 +9,16 @@
 
 The main thread runs `ops` in order: Compute (seconds of work at a full core), Launch (a job to
 the FIFO queue of a thread: the wrapper's communication thread, a process group's worker),
-Wait (until a job is done), Alloc/Free (bytes, for the memory peak). A job needs `cpu_s` of
-CPU (copies, sums, a kernel's TCP) and lasts at least `wire_s` (bytes on the wire / rate +
-latencies): it ends once both are spent, the CPU first or along the way. Threads with CPU work
+Wait (until a job is done), Alloc/Free (bytes, for the memory peak). A job first meets its
+peers: no CPU, `meet_s` long while the main thread waits and `meet_busy_s` while it computes,
+at the pace of whichever holds at each moment. Then it needs `cpu_s` of CPU (copies, sums, a
+kernel's TCP) and lasts at least `wire_s` (bytes on the wire / rate + latencies): it ends once
+both are spent, the CPU first or along the way. Threads with CPU work
 share the `cores` equally, each at most one core (processor sharing, as the kernel's scheduler
 gives runnable threads equal time), with the same threads of the `peers` ranks on those cores
 and `background` threads of other programs; `cores=None` runs every thread at full speed.
-Every rank is taken to run the same timeline at the same time, so waiting for peers is not
-modelled: stragglers and noise are the first assumptions that break (docs/plan.md).
+Every rank is taken to run the same timeline at the same time, save the meetings' measured
+mean waits: stragglers and noise are the first assumptions that break (docs/plan.md).
 """
 
 from __future__ import annotations
