@@ -29,6 +29,7 @@ import platform
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -289,21 +290,26 @@ def _operations(n: int, ws: int, shm: Any, tcp: Any, last: bool = True) -> dict[
     return runs
 
 
-def _meeting(fn: Any, synced_s: float, ws: int) -> tuple[float, float]:
+def _meeting(
+    fn: Any, synced_s: float, ws: int, compute: Callable[[float], None] | None = None
+) -> tuple[float, float]:
     """Seconds lost meeting at `fn` beyond `synced_s`, its wall time from a barrier, averaged
     over MEETING_CYCLES: (idle) every rank computes MEETING_COMPUTE_S of CPU, then runs it, on
     one thread (the cycle beyond compute at a fair share of the cores, and synced_s); (busy)
     another thread of every rank computes throughout while this one sleeps as long, then runs
-    it, as a communication thread does during backward (its wall beyond synced_s)."""
+    it, as a communication thread does during backward (its wall beyond synced_s). `compute`:
+    what spends the idle case's seconds (default: matrix products for that much CPU time)."""
     import threading
 
     share = min(1.0, usable_cores() / ws)
     burn = torch.ones(256, 256)
 
-    def compute(seconds: float) -> None:
+    def burn_cpu(seconds: float) -> None:
         end = time.thread_time() + seconds
         while time.thread_time() < end:
             torch.mm(burn, burn)
+
+    compute = compute or burn_cpu
 
     def cycles(busy: bool) -> float:
         dist.barrier()

@@ -151,8 +151,9 @@ def test_links_give_their_measured_meetings():
 
 
 def test_calibrated_meeting_is_the_operations_time_beyond_compute():
-    """An operation that sleeps 2 ms, after 8 ms of compute: both meetings measure about its
-    2 ms, neither the compute nor the communication thread's sleep before it."""
+    """An operation that sleeps 2 ms, after 8 ms of "compute": both meetings measure about its
+    2 ms (wake-ups late by up to 4 ms on a loaded machine), neither the compute nor the
+    communication thread's sleep before it (10 ms)."""
     idle, busy = ddptrain.spawn(meeting_of_a_sleep, 1, 0.008, 0.002, timeout_s=120)[0]
-    assert 0.0019 <= busy <= 0.0039
-    assert 0.0019 <= idle <= 0.0095
+    assert 0.0019 <= busy <= 0.006
+    assert 0.0019 <= idle <= 0.006
