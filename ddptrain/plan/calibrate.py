@@ -13,7 +13,7 @@ the default across hosts; here over loopback), "all_gather" gloo's into a freshl
 output (the sharded wrapper gathers each unit into memory it just mapped), "reduce_scatter" and
 "broadcast" gloo's. One process also times a pass over fresh and over mapped memory (the
 sharded wrapper's packing). Meetings: what ranks that arrive at a collective from their own
-compute lose waiting for each other, beyond its time from a barrier (`_meeting`). Two hosts:
+compute lose waiting for each other, beyond its time from a barrier (meeting.py). Two hosts:
 the same at world size 2, one rank in each namespace, the veth shaped as `python -m
 ddptrain.bench --two-hosts --link RATE` shapes it (bench/link.py), sizes up to what the link
 carries in about a second. glibc returns freed blocks at once, as in
@@ -29,7 +29,6 @@ import platform
 import socket
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ import torch.distributed as dist
 import ddptrain
 from ddptrain.bench.memory import return_freed_memory
 from ddptrain.plan.links import LocalLink, ShapedLink, rate_bits
+from ddptrain.plan.meeting import measure_meeting
 
 SIZES = (4 << 10, 256 << 10, 2 << 20, 8 << 20, 32 << 20)
 REPEATS = 5
@@ -47,9 +47,6 @@ TIMED_S = 0.25
 MAX_REPEATS = 41
 CACHE = Path.home() / ".cache" / "ddptrain" / "plan-links.json"
 CALIBRATION_VERSION = 4
-# Meetings: cycles of this much compute, then a collective of the smallest size.
-MEETING_COMPUTE_S = 5e-3
-MEETING_CYCLES = 48
 # A shaped link is measured up to the size it carries in about this long.
 SHAPED_SECONDS = 0.8
 
@@ -256,7 +253,7 @@ def _measure(sizes: list[int]) -> dict[str, Any]:
         return {"ops": ops, "wall": walls}
     n = max(ws, sizes[0] // 4 // ws * ws)
     meet = {
-        op: _meeting(fn, walls[op][0][1], ws)
+        op: measure_meeting(fn, walls[op][0][1], share=min(1.0, usable_cores() / ws))
         for op, fn in _operations(n, ws, shm, tcp, last=False).items()
     }
     return {"ops": ops, "wall": walls, "meet": meet}
@@ -288,70 +285,6 @@ def _operations(n: int, ws: int, shm: Any, tcp: Any, last: bool = True) -> dict[
         private = torch.ones(n)
         runs["reduce_tcp"] = lambda: tcp.reduce(GradBucket(0, private, [], [], last))
     return runs
-
-
-def _meeting(
-    fn: Any, synced_s: float, ws: int, compute: Callable[[float], None] | None = None
-) -> tuple[float, float]:
-    """Seconds lost meeting at `fn` beyond `synced_s`, its wall time from a barrier, averaged
-    over MEETING_CYCLES: (idle) every rank computes MEETING_COMPUTE_S of CPU, then runs it, on
-    one thread (the cycle beyond compute at a fair share of the cores, and synced_s); (busy)
-    another thread of every rank computes throughout while this one sleeps as long, then runs
-    it, as a communication thread does during backward (its wall beyond synced_s). `compute`:
-    what spends the idle case's seconds (default: matrix products for that much CPU time)."""
-    import threading
-
-    share = min(1.0, usable_cores() / ws)
-    burn = torch.ones(256, 256)
-
-    def burn_cpu(seconds: float) -> None:
-        end = time.thread_time() + seconds
-        while time.thread_time() < end:
-            torch.mm(burn, burn)
-
-    compute = compute or burn_cpu
-
-    def cycles(busy: bool) -> float:
-        dist.barrier()
-        fn()
-        took = []
-        for _ in range(MEETING_CYCLES):
-            start = time.perf_counter()
-            if busy:
-                time.sleep(MEETING_COMPUTE_S)
-                start = time.perf_counter()
-            else:
-                compute(MEETING_COMPUTE_S)
-            fn()
-            took.append(time.perf_counter() - start)
-        if busy:
-            return statistics.fmean(took) - synced_s
-        return statistics.fmean(took) - MEETING_COMPUTE_S / share - synced_s
-
-    idle = cycles(busy=False)
-    stop = threading.Event()
-
-    # A backward, as a training main thread runs: autograd's engine computes without the GIL
-    # (a loop of torch ops would hold it, and every wake-up of this thread would wait for it).
-    weights = [torch.randn(256, 256, requires_grad=True) for _ in range(8)]
-    out = burn
-    for w in weights:
-        out = torch.tanh(out @ w)
-    loss = out.sum()
-
-    def main_thread() -> None:
-        while not stop.is_set():
-            torch.autograd.grad(loss, weights, retain_graph=True)
-
-    computing = threading.Thread(target=main_thread, daemon=True)
-    computing.start()
-    try:
-        busy = cycles(busy=True)
-    finally:
-        stop.set()
-        computing.join()
-    dist.barrier()
-    return max(0.0, idle), max(0.0, busy)
 
 
 def _passes() -> tuple[float, float]:

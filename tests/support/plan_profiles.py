@@ -52,17 +52,17 @@ def local(cpu_s_per_byte: float, cores: float = 2.0, wall_s_per_byte: float = 0.
 
 
 def meeting_of_a_sleep(compute_s: float, sleep_s: float) -> tuple[float, float]:
-    """In a spawned rank: calibrate's (idle, busy) meeting seconds of an operation that sleeps
+    """In a spawned rank: meeting.py's (idle, busy) seconds of an operation that sleeps
     `sleep_s`, none of it counted as measured from a barrier, in cycles whose "compute" sleeps
     `compute_s` (wall time, as other programs' load would not stretch it)."""
     import time
 
     import ddptrain
-    from ddptrain.plan import calibrate
+    from ddptrain.plan.meeting import measure_meeting
 
-    calibrate.MEETING_COMPUTE_S, calibrate.MEETING_CYCLES = compute_s, 12
     ddptrain.init_distributed()
     try:
-        return calibrate._meeting(lambda: time.sleep(sleep_s), 0.0, 1, compute=time.sleep)
+        op = lambda: time.sleep(sleep_s)  # noqa: E731
+        return measure_meeting(op, 0.0, 1.0, compute_s=compute_s, cycles=12, compute=time.sleep)
     finally:
         ddptrain.shutdown()

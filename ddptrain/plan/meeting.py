@@ -1,0 +1,91 @@
+"""What ranks lose meeting at a collective they reach from their own compute.
+
+    idle, busy = measure_meeting(lambda: dist.broadcast(t, 0), synced_s=2e-4, share=0.5)
+
+A collective timed from a barrier finds every rank already there. In a step the ranks arrive
+from their own work, and wait for each other first: a peer not yet scheduled, a wake-up. Two
+cases, each the mean over `cycles` of the seconds beyond the fluid model and beyond `synced_s`,
+the operation's own wall time from a barrier:
+
+- idle: every rank computes `compute_s` of CPU on one thread, then runs the operation there (the
+  cycle beyond the compute at `share` of a core each);
+- busy: another thread of every rank runs a backward throughout while this one sleeps
+  `compute_s`, then runs it, as a communication thread does while backward computes.
+
+The timeline (timeline.Job) charges them before each collective; calibrate.py stores them per
+operation and world size.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+COMPUTE_S = 5e-3
+CYCLES = 48
+
+
+def measure_meeting(
+    fn: Callable[[], object],
+    synced_s: float,
+    share: float,
+    *,
+    compute_s: float = COMPUTE_S,
+    cycles: int = CYCLES,
+    compute: Callable[[float], None] | None = None,
+) -> tuple[float, float]:
+    """Collective: (idle, busy) seconds lost meeting at `fn` (module docstring), each at least
+    0; `share`: of a core each rank gets while all compute; `compute`: what spends the idle
+    case's seconds (default: matrix products for that much CPU time)."""
+    burn = torch.ones(256, 256)
+
+    def burn_cpu(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            torch.mm(burn, burn)
+
+    spend = compute or burn_cpu
+
+    def mean_beyond(busy: bool) -> float:
+        dist.barrier()
+        fn()
+        took = []
+        for _ in range(cycles):
+            start = time.perf_counter()
+            if busy:
+                time.sleep(compute_s)
+                start = time.perf_counter()
+            else:
+                spend(compute_s)
+            fn()
+            took.append(time.perf_counter() - start)
+        return statistics.fmean(took) - (0.0 if busy else compute_s / share) - synced_s
+
+    idle = mean_beyond(busy=False)
+    stop = threading.Event()
+    # A backward, as a training main thread runs: autograd's engine computes without the GIL
+    # (a loop of torch ops would hold it, and every wake-up of this thread would wait for it).
+    weights = [torch.randn(256, 256, requires_grad=True) for _ in range(8)]
+    out = burn
+    for w in weights:
+        out = torch.tanh(out @ w)
+    loss = out.sum()
+
+    def backward_throughout() -> None:
+        while not stop.is_set():
+            torch.autograd.grad(loss, weights, retain_graph=True)
+
+    beside = threading.Thread(target=backward_throughout, daemon=True)
+    beside.start()
+    try:
+        busy = mean_beyond(busy=True)
+    finally:
+        stop.set()
+        beside.join()
+    dist.barrier()
+    return max(0.0, idle), max(0.0, busy)
