@@ -50,7 +50,13 @@ WARMUP_STEPS = 3
 # forkserver inherits pages it would otherwise fault in while training (a lower peak RSS), so
 # profile and --check start every rank so.
 START_METHOD = "spawn"
+# A guest's CPU runs up to a third slower for a second or two at a time (its host's other
+# tenants, which the guest cannot see): eight MLP steps caught one such spell or none, and
+# their median moved by 15-24% from profile to profile. Steps are timed until MIN_TIMED_S
+# of wall time has passed (at least TIMED_STEPS, at most MAX_TIMED_STEPS).
 TIMED_STEPS = 8
+MIN_TIMED_S = 2.0
+MAX_TIMED_STEPS = 400
 
 
 def start_method(device: str) -> str | None:
@@ -91,6 +97,7 @@ class Profile:
     peak_rss_bytes: int = 0
     optimizer_state_bytes: int = 0
     device: str = "cpu"  # what the seconds and bytes are of (the module docstring)
+    timed_steps: int = 0  # the medians are over this many steps
 
     @property
     def param_bytes(self) -> int:
@@ -100,12 +107,14 @@ class Profile:
         return asdict(self)
 
 
-def profile(setup: Setup, timeout_s: float = 600.0) -> Profile:
-    """Profile `setup` in a fresh process (a world of one) on the setup's device."""
+def profile(setup: Setup, timeout_s: float = 600.0, min_timed_s: float = MIN_TIMED_S) -> Profile:
+    """Profile `setup` in a fresh process (a world of one) on the setup's device, timing
+    steps for at least `min_timed_s` of wall time."""
     (raw,) = ddptrain.spawn(
         _profile_rank,
         1,
         setup.as_dict(),
+        min_timed_s,
         timeout_s=timeout_s,
         start_method=start_method(setup.device),
         env=rank_env(setup.device),
@@ -113,9 +122,9 @@ def profile(setup: Setup, timeout_s: float = 600.0) -> Profile:
     return Profile(**raw)
 
 
-def _profile_rank(setup_dict: dict[str, Any]) -> dict[str, Any]:
+def _profile_rank(setup_dict: dict[str, Any], min_timed_s: float) -> dict[str, Any]:
     setup = Setup(**setup_dict)
-    return measure(setup, meter_for(setup.device))
+    return measure(setup, meter_for(setup.device), min_timed_s)
 
 
 def rank_device(setup: Setup) -> torch.device:
@@ -126,9 +135,10 @@ def rank_device(setup: Setup) -> torch.device:
     return torch.device("cpu") if setup.device == "cpu" else info.device
 
 
-def measure(setup: Setup, meter: Meter) -> dict[str, Any]:
+def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dict[str, Any]:
     """Collective: the profile's fields, measured on this rank of a world of one with `meter`
-    (the CPU's, CUDA's, or a test's stand-in)."""
+    (the CPU's, CUDA's, or a test's stand-in), over steps timed for at least `min_timed_s`
+    of wall time (TIMED_STEPS to MAX_TIMED_STEPS of them)."""
     return_freed_memory()
     device = rank_device(setup)
     work = setup.workload
@@ -165,7 +175,11 @@ def measure(setup: Setup, meter: Meter) -> dict[str, Any]:
     unit_forward: list[list[list[float]]] = []
     hooks: list[list[float]] = []
     bucket_ready: list[list[float]] = []
-    for step in range(WARMUP_STEPS + TIMED_STEPS):
+    step, timed_from = 0, 0.0
+    while not _enough(step - WARMUP_STEPS, time.perf_counter() - timed_from, min_timed_s):
+        step += 1
+        if step == WARMUP_STEPS + 1:
+            timed_from = time.perf_counter()
         marks.clear()
         if hook_timer is not None:
             hook_timer.clear()
@@ -179,7 +193,7 @@ def measure(setup: Setup, meter: Meter) -> dict[str, Any]:
         optimizer.step()
         s3 = meter.stamp()
         meter.finish()
-        if step < WARMUP_STEPS:
+        if step <= WARMUP_STEPS:
             continue
         t0, t1, t2, t3 = (meter.seconds(s) for s in (s0, s1, s2, s3))
         times["wall"].append(time.perf_counter() - wall)
@@ -219,7 +233,15 @@ def measure(setup: Setup, meter: Meter) -> dict[str, Any]:
         "peak_rss_bytes": peak,
         "optimizer_state_bytes": _state_bytes(optimizer),
         "device": setup.device,
+        "timed_steps": len(times["step"]),
     }
+
+
+def _enough(timed: int, timed_s: float, min_timed_s: float) -> bool:
+    """Whether `timed` steps over `timed_s` seconds of wall time make a profile."""
+    if timed < TIMED_STEPS:
+        return False
+    return timed >= MAX_TIMED_STEPS or timed_s >= min_timed_s
 
 
 def _median_rows(rows: list[list[float]]) -> list[float]:

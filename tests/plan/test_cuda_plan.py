@@ -15,7 +15,7 @@ from ddptrain.plan import __main__ as cli
 from ddptrain.plan import check
 from ddptrain.plan.meter import CpuMeter, CudaMeter
 from ddptrain.plan.predict import peak_memory, predict
-from ddptrain.plan.profile import _activation_bytes, _Marks
+from ddptrain.plan.profile import MAX_TIMED_STEPS, TIMED_STEPS, _activation_bytes, _enough, _Marks
 from ddptrain.plan.setup import Setup
 from support.fake_cuda import FakeCuda, measure_with_fake_cuda
 from support.plan_profiles import MIB, bus, ddp_profile
@@ -72,6 +72,19 @@ def test_profile_through_the_cuda_meter(fake_cuda_profiles, strategy):
         assert all(0.0 <= a <= b <= prof["forward_s"] for a, b in prof["unit_forward_s"])
     assert prof["peak_rss_bytes"] == 5 * MIB and prof["rss_before_model_bytes"] == 1234
     assert calls.index("reset_peak_memory_stats") < calls.index("max_memory_allocated")
+    assert prof["timed_steps"] == TIMED_STEPS  # no wall time asked: the fewest steps
+
+
+def test_profile_times_steps_until_the_wall_time_asked():
+    """A profile asked for 1.5 s of timed steps keeps stepping past TIMED_STEPS (LeNet's
+    step is far shorter than 1.5 s / TIMED_STEPS), and stops by its count and time."""
+    setups = [Setup(model="lenet", strategy="ddp").as_dict()]
+    (found,) = ddptrain.spawn(measure_with_fake_cuda, 1, setups, MIB, 0, 1.5, timeout_s=240)
+    prof = found[0][0]
+    assert TIMED_STEPS < prof["timed_steps"] <= MAX_TIMED_STEPS
+    assert not _enough(TIMED_STEPS - 1, 60.0, 1.5)
+    assert not _enough(TIMED_STEPS, 1.4, 1.5) and _enough(TIMED_STEPS, 1.5, 1.5)
+    assert _enough(MAX_TIMED_STEPS, 0.0, 1.5)
 
 
 def _saving_toy() -> tuple[nn.Module, torch.Tensor]:
@@ -183,3 +196,4 @@ def test_cuda_check_runs_at_one_rank_and_compares(monkeypatch, tmp_path):
     assert rows[0]["step_ratio"] == pytest.approx(0.032 / 0.040)
     assert rows[0]["peak_ratio"] == pytest.approx(95 / 100)
     assert rows[0]["background_threads"] == 0.0
+

@@ -81,11 +81,11 @@ class FakeCuda:
 
 
 def measure_with_fake_cuda(
-    setups: list[dict], peak_bytes: int, allocated_bytes: int
+    setups: list[dict], peak_bytes: int, allocated_bytes: int, min_timed_s: float = 0.0
 ) -> list[tuple[dict, list[str]]]:
     """In a spawned rank: each setup's profile fields measured by the CUDA meter over a
-    FakeCuda on a tick clock (so the load of the machine does not move the spans), with the
-    calls it made."""
+    FakeCuda on a tick clock (so the load of the machine does not move the spans), timing
+    steps for `min_timed_s` of wall time, with the calls it made."""
     from ddptrain.plan.meter import CudaMeter
     from ddptrain.plan.profile import measure
     from ddptrain.plan.setup import Setup
@@ -93,5 +93,5 @@ def measure_with_fake_cuda(
     out = []
     for setup in setups:
         cuda = FakeCuda(peak_bytes, allocated_bytes, clock=ticks())
-        out.append((measure(Setup(**setup), CudaMeter(cuda)), cuda.calls))
+        out.append((measure(Setup(**setup), CudaMeter(cuda), min_timed_s), cuda.calls))
     return out
