@@ -27,6 +27,7 @@ import contextlib
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from ddptrain.bench.report import machine
 from ddptrain.plan import DEFAULT_LINKS, DEFAULT_STRATEGIES, plan, resolve_link
 from ddptrain.plan.check import (
     beyond_gpus,
+    combine,
     compare,
     run_local,
     run_twice_at_most,
@@ -101,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "before each run (up to --quiet-wait-s)")  # fmt: skip
     p.add_argument("--quiet-wait-s", type=float, default=120.0)
     p.add_argument("--steps", default="3,6,2", help="--check: warm-up steps, blocks, steps a block")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--check: runs of each configuration, the strategies of a world "
+                   "size taking turns, the order reversed each round; blocks pooled")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("plan-results"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", action="store_true",
@@ -122,6 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             _refuse_for_cuda(args)
     except ValueError as e:
         raise SystemExit(f"{p.prog}: error: {e}") from None
+    if args.rounds < 1:
+        p.error("--rounds: at least 1")
     warmup, blocks, block = _ints(args.steps)
     args.steps = Steps(warmup, blocks, block)
     return args
@@ -157,22 +164,43 @@ def _checkable(link: Any, world_size: int, device: str) -> bool:
 
 
 def _check(args: argparse.Namespace, result: Any, link: Any) -> list[dict[str, Any]]:
+    # World size outermost, strategies next: the runs a pick compares are side by side in
+    # time, and each round runs them in the other order, so a slow spell of the machine
+    # falls on all of them rather than on one.
     rows = []
-    for pred, prof in zip(result.predictions, result.profiles, strict=True):
-        setup = Setup(**pred.setup)
-        for n in [n for n in args.world_sizes if _checkable(link, n, setup.device)]:
-            busy = 0.0 if isinstance(link, BusLink) else args.background
-            if busy is None:
-                busy = wait_for_quiet(args.quiet_below, args.quiet_wait_s)
-            point = predict(setup, prof, link, [n], background=busy).points[0]
-            if isinstance(link, ShapedLink):
-                run = functools.partial(run_two_hosts, setup, link.name, args.steps)
-            else:
-                run = functools.partial(run_local, setup, n, args.steps)
-            measured = run_twice_at_most(run, f"{setup.label} ws{n} {link.name}")
-            rows.append(compare(setup, point, measured, link.name, busy))
+    for n in args.world_sizes:
+        todo = [
+            (Setup(**pred.setup), prof)
+            for pred, prof in zip(result.predictions, result.profiles, strict=True)
+            if _checkable(link, n, pred.setup["device"])
+        ]
+        runs: list[list[dict[str, Any]]] = [[] for _ in todo]
+        busy: list[list[float]] = [[] for _ in todo]
+        for r in range(args.rounds):
+            for i in range(len(todo))[:: -1 if r % 2 else 1]:
+                setup = todo[i][0]
+                busy[i].append(_background(args, link))
+                if isinstance(link, ShapedLink):
+                    run = functools.partial(run_two_hosts, setup, link.name, args.steps)
+                else:
+                    run = functools.partial(run_local, setup, n, args.steps)
+                runs[i].append(run_twice_at_most(run, f"{setup.label} ws{n} {link.name}"))
+        for (setup, prof), measured, counts in zip(todo, runs, busy, strict=True):
+            mean_busy = statistics.fmean(counts)
+            point = predict(setup, prof, link, [n], background=mean_busy).points[0]
+            rows.append(compare(setup, point, combine(measured), link.name, mean_busy))
             print(format_check(rows[-1:]).splitlines()[1], flush=True)
     return rows
+
+
+def _background(args: argparse.Namespace, link: Any) -> float:
+    """Busy threads of other programs to plan a run for: none beside GPUs, the number given,
+    or those counted now (after waiting for quiet, if asked)."""
+    if isinstance(link, BusLink):
+        return 0.0
+    if args.background is not None:
+        return args.background
+    return wait_for_quiet(args.quiet_below, args.quiet_wait_s)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -241,6 +269,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "blocks": args.steps.blocks,
             "block": args.steps.block,
         },  # fmt: skip
+        "rounds": args.rounds,
         "malloc": "glibc returns freed blocks at once (mmap threshold 64 KiB, one arena)",
         "models": args.models,
         "strategies": args.strategies,

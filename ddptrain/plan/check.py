@@ -11,7 +11,8 @@ ddptrain.bench --two-hosts --link RATE` does (bench/hosts.py, bench/link.py, ddp
 two network namespaces joined by a veth pair, each with a /dev/shm of its own, the veth shaped
 both ways with tc tbf and probed, one torchrun a host running `python -m ddptrain.plan.run`.
 Measured: the median over blocks of the slowest rank's seconds per step, and the largest peak
-RSS (on CUDA: max_memory_allocated) of any rank while training. `wait_for_quiet` holds a run
+RSS (on CUDA: max_memory_allocated) of any rank while training; `combine` makes rounds of
+one setup (--check --rounds) one measurement. `wait_for_quiet` holds a run
 back while other programs keep the cores busy, up to a limit, and says how busy they were.
 """
 
@@ -52,6 +53,19 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "block_step_s": blocks,
         "devices": sorted({r.get("device", "cpu") for r in ranks}),
     }
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one setup as one measurement: the median over all their blocks, the largest
+    peaks, each round's step under "round_step_s"; one run is itself."""
+    if len(runs) == 1:
+        return runs[0]
+    blocks = [b for r in runs for b in r["block_step_s"]]
+    out = {**runs[0], "step_s": statistics.median(blocks), "block_step_s": blocks}
+    out["round_step_s"] = [r["step_s"] for r in runs]
+    for key in ("peak_bytes", "rss_before_model_bytes", "max_rss_bytes"):
+        out[key] = max(r[key] for r in runs)
+    return out
 
 
 def beyond_gpus(world_sizes: list[int], gpus: int) -> list[int]:

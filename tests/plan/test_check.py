@@ -6,7 +6,7 @@ import pytest
 
 from ddptrain.bench.hosts import RunFailed
 from ddptrain.plan import plan
-from ddptrain.plan.check import compare, run_local, run_twice_at_most
+from ddptrain.plan.check import combine, compare, run_local, run_twice_at_most
 from ddptrain.plan.predict import Point, Prediction, largest_efficient, pick, set_efficiency
 from ddptrain.plan.report import format_picks, plot
 from ddptrain.plan.run import Steps
@@ -113,3 +113,19 @@ def test_a_failed_run_is_run_once_more_and_a_second_failure_is_raised(capsys):
 
     with pytest.raises(RunFailed, match="failure 4"):
         run_twice_at_most(broken, "x")
+
+
+def test_rounds_of_a_run_pool_their_blocks():
+    """Rounds of one setup make one measurement: the median over every round's blocks (not
+    the median of the rounds' medians), the largest peaks, each round's step kept."""
+    runs = [
+        {"step_s": 1.0, "block_step_s": [1.0, 1.0, 5.0], "peak_bytes": 7,
+         "rss_before_model_bytes": 3, "max_rss_bytes": 9},
+        {"step_s": 3.0, "block_step_s": [3.0, 3.0, 3.0], "peak_bytes": 8,
+         "rss_before_model_bytes": 2, "max_rss_bytes": 9},
+    ]  # fmt: skip
+    both = combine(runs)
+    assert both["step_s"] == 3.0 and both["round_step_s"] == [1.0, 3.0]
+    assert len(both["block_step_s"]) == 6
+    assert (both["peak_bytes"], both["rss_before_model_bytes"]) == (8, 3)
+    assert combine(runs[:1]) is runs[0]

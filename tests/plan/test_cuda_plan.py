@@ -197,3 +197,34 @@ def test_cuda_check_runs_at_one_rank_and_compares(monkeypatch, tmp_path):
     assert rows[0]["peak_ratio"] == pytest.approx(95 / 100)
     assert rows[0]["background_threads"] == 0.0
 
+
+def test_check_rounds_take_turns_within_a_world_size(monkeypatch, tmp_path):
+    """--check --rounds 2 runs world size by world size, each strategy once a round, the
+    order reversed in the second round, and compares each setup's pooled blocks."""
+    import ddptrain.plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _: "a stand-in GPU")
+    monkeypatch.setattr(ddptrain.plan, "profile", lambda setup: _cuda_profile())
+    ran = []
+
+    def run_local(setup, n, steps):
+        ran.append((setup.strategy, n))
+        block = 0.010 * len(ran)
+        return {"step_s": block, "block_step_s": [block] * 3, "peak_bytes": MIB,
+                "rss_before_model_bytes": 0, "max_rss_bytes": MIB}  # fmt: skip
+
+    monkeypatch.setattr(cli, "run_local", run_local)
+    argv = ["--device", "cuda", "--models", "lenet", "--strategies", "ddp,zero1", "--rounds", "2"]
+    out = cli.main([*argv, "--world-sizes", "1,2", "--check", "--no-plot", "--out", str(tmp_path)])
+    assert ran == [("ddp", 1), ("zero1", 1), ("zero1", 1), ("ddp", 1)] + [
+        ("ddp", 2),
+        ("zero1", 2),
+        ("zero1", 2),
+        ("ddp", 2),
+    ]
+    rows = {r["configuration"].split()[1] + str(r["world_size"]): r for r in out["check"]}
+    assert rows["ddp1"]["measured"]["round_step_s"] == pytest.approx([0.010, 0.040])
+    assert rows["zero12"]["measured"]["round_step_s"] == pytest.approx([0.060, 0.070])
+    assert rows["ddp2"]["measured_step_s"] == pytest.approx(0.065)  # 3x 0.05 and 3x 0.08
