@@ -45,6 +45,7 @@ from ddptrain.plan.links import (
 )
 from ddptrain.plan.predict import (
     Prediction,
+    close_to_pick,
     largest_efficient,
     pick,
     predict,
@@ -89,6 +90,10 @@ class Plan:
             "background_threads": self.background_threads,
             "predictions": [p.as_dict() for p in self.predictions],
             "picked": {n: self.picked(n) for n in self.world_sizes},
+            "close_to_pick": {
+                n: [p.setup["strategy"] for p in close_to_pick(self.predictions, n)]
+                for n in self.world_sizes
+            },
             "largest_efficient": self.largest_efficient,
             # What the predictions were made from: with the link's figures, they can be
             # remade (predict.predict) after the model changes.

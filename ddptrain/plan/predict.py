@@ -4,6 +4,7 @@
     pred = predict(setup, prof, local_link(), [1, 2, 4])    # a Prediction per world size
     pred.points[2].step_s, pred.points[2].peak_bytes
     pick([pred_ddp, pred_zero1, ...], world_size=4)         # the fastest that fits
+    close_to_pick([pred_ddp, pred_zero1, ...], 4)           # others within NEAR (5%) of it
 
 Step time: the rank's operations (steps.py) simulated with its CPU shared among its threads
 (timeline.py); the same with every communication free is the floor, and the difference the
@@ -172,14 +173,38 @@ def set_efficiency(predictions: list[Prediction], one_rank_s: float) -> None:
             p.efficiency = one_rank_s / p.step_s
 
 
-def pick(predictions: list[Prediction], world_size: int) -> Prediction | None:
-    """The fastest strategy at `world_size` among those that fit (fits None counts as fitting)."""
-    fitting = [
+# Strategies predicted this close cannot be told apart by a run on a shared machine: the same
+# run, repeated, spreads by more (docs/plan.md, "Assumptions"), so the plan names them too.
+NEAR = 0.05
+
+
+def _fitting(predictions: list[Prediction], world_size: int) -> list[Prediction]:
+    return [
         pred
         for pred in predictions
         if any(p.world_size == world_size and p.fits is not False for p in pred.points)
     ]
+
+
+def pick(predictions: list[Prediction], world_size: int) -> Prediction | None:
+    """The fastest strategy at `world_size` among those that fit (fits None counts as fitting)."""
+    fitting = _fitting(predictions, world_size)
     return min(fitting, key=lambda pred: pred.at(world_size).step_s, default=None)
+
+
+def close_to_pick(
+    predictions: list[Prediction], world_size: int, margin: float = NEAR
+) -> list[Prediction]:
+    """The other fitting strategies predicted at most `margin` slower than the pick."""
+    chosen = pick(predictions, world_size)
+    if chosen is None:
+        return []
+    limit = chosen.at(world_size).step_s * (1.0 + margin)
+    return [
+        pred
+        for pred in _fitting(predictions, world_size)
+        if pred is not chosen and pred.at(world_size).step_s <= limit
+    ]
 
 
 def largest_efficient(

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddptrain.plan.predict import Prediction, largest_efficient, pick
+from ddptrain.plan.predict import NEAR, Prediction, close_to_pick, largest_efficient, pick
 from ddptrain.plot._mpl import MissingMatplotlib, pyplot
 
 MIB = 2**20
@@ -48,7 +48,9 @@ def format_choice(predictions: list[Prediction], world_sizes: list[int]) -> str:
     picks = []
     for n in world_sizes:
         chosen = pick(predictions, n)
-        picks.append(f"{n}: {_strategy(chosen)}" if chosen else f"{n}: none fits")
+        close = ", ".join(_strategy(p) for p in close_to_pick(predictions, n))
+        also = f" ({close} within {NEAR:.0%})" if close else ""
+        picks.append(f"{n}: {_strategy(chosen)}{also}" if chosen else f"{n}: none fits")
     best = largest_efficient(predictions, world_sizes)
     if best is None:
         verdict = "no world size keeps scaling efficiency >= 80%"
@@ -112,7 +114,7 @@ def format_picks(rows: list[dict[str, Any]]) -> str:
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["setup"]["model"], r["link"], r["world_size"]), []).append(r)
-    lines, agree = [], 0
+    lines, agree, close = [], 0, 0
     for (model, link, n), group in groups.items():
         predicted = min(group, key=lambda r: r["predicted_step_s"])
         measured = min(group, key=lambda r: r["measured_step_s"])
@@ -120,13 +122,17 @@ def format_picks(rows: list[dict[str, Any]]) -> str:
         agree += same
         name = f"{model} ws{n} {link}"
         slower = predicted["measured_step_s"] / measured["measured_step_s"]
+        close += slower <= 1.0 + NEAR
         verdict = "same" if same else f"DIFFERS: the pick measured {slower:.2f}x the best"
         lines.append(
             f"{name:<22} picked {_label(predicted):<12} measured best {_label(measured):<12} "
             f"{verdict}"
         )
     if groups:
-        lines.append(f"picked strategy is the measured best in {agree} of {len(groups)} cases")
+        lines.append(
+            f"picked strategy is the measured best in {agree} of {len(groups)} cases, "
+            f"measured within {NEAR:.0%} of the best in {close} of {len(groups)}"
+        )
     return "\n".join(lines)
 
 

@@ -7,8 +7,15 @@ import pytest
 from ddptrain.bench.hosts import RunFailed
 from ddptrain.plan import plan
 from ddptrain.plan.check import combine, compare, run_local, run_twice_at_most
-from ddptrain.plan.predict import Point, Prediction, largest_efficient, pick, set_efficiency
-from ddptrain.plan.report import format_picks, plot
+from ddptrain.plan.predict import (
+    Point,
+    Prediction,
+    close_to_pick,
+    largest_efficient,
+    pick,
+    set_efficiency,
+)
+from ddptrain.plan.report import format_choice, format_picks, plot
 from ddptrain.plan.run import Steps
 from ddptrain.plan.setup import Setup
 from support.plan_profiles import ddp_profile
@@ -43,7 +50,23 @@ def test_picks_against_measured_best():
     ]  # fmt: skip
     text = format_picks(rows)
     assert "picked ddp" in text and "measured best zero1" in text and "DIFFERS" in text
-    assert "0 of 1" in text
+    assert "best in 0 of 1 cases, measured within 5% of the best in 0 of 1" in text
+    rows[0]["measured_step_s"] = 1.04
+    assert "within 5% of the best in 1 of 1" in format_picks(rows)
+
+
+def test_strategies_predicted_within_five_percent_of_the_pick_are_named():
+    """The plan names the fitting strategies predicted at most 5% slower than its pick (and
+    not those beyond, nor one that does not fit), on the command line's choice line too."""
+    ddp = _prediction("ddp", {2: 1.00})
+    zero1 = _prediction("zero1", {2: 1.05})
+    zero3 = _prediction("zero3", {2: 1.06})
+    powersgd = _prediction("powersgd", {2: 1.01})
+    powersgd.at(2).fits = False
+    everything = [zero3, zero1, ddp, powersgd]
+    assert close_to_pick(everything, 2) == [zero1]
+    assert "2: ddp (zero1 within 5%)" in format_choice(everything, [2])
+    assert close_to_pick([zero3], 2) == [] and close_to_pick([], 2) == []
 
 
 @pytest.mark.slow
