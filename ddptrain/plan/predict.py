@@ -7,9 +7,12 @@
     close_to_pick([pred_ddp, pred_zero1, ...], 4)           # others within NEAR (5%) of it
 
 Step time: the rank's operations (steps.py) simulated with its CPU shared among its threads
-(timeline.py); the same with every communication free is the floor, and the difference the
-exposed communication. Samples/s: world_size * per-rank batch / step. Scaling efficiency:
-the one-rank step (the fastest strategy's at world size 1) over this step: 1.0 is linear.
+(timeline.py), plus the wait for the slowest rank: a step ends when every rank's does, and one
+rank's steps vary (the profile's samples), so n ranks wait for the expected slowest of n
+(`straggle_s`). The simulation with every communication free is the floor, and the
+difference the exposed communication. Samples/s: world_size * per-rank batch / step. Scaling
+efficiency: the one-rank step (the fastest strategy's at world size 1) over this step: 1.0 is
+linear.
 
 Peak RSS per rank, with glibc returning freed blocks (what --check sets): the DDP strategies'
 measured peak at world size 1 plus what changes with the world size: the pages of the other
@@ -30,6 +33,7 @@ NCCL needs no staging copies.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -97,13 +101,26 @@ def _free_comm(ops: list[Op]) -> list[Op]:
 def step_seconds(
     setup: Setup, prof: Profile, link: Link, world_size: int, background: float = 0.0
 ) -> tuple[float, float]:
-    """(step, floor): the simulated step, and the same with every communication free;
-    `background`: busy threads of other programs on the same cores."""
+    """(step, floor): the simulated step plus the wait for the slowest rank (straggle_s), and
+    the simulated step with every communication free; `background`: busy threads of other
+    programs on the same cores."""
     ops = step_ops(setup, prof, link, world_size)
     cpu = link.cpu(world_size)
     cores, peers = cpu if cpu is not None else (None, 1)
     run = [simulate(o, cores, peers, background).end_s for o in (ops, _free_comm(ops))]
-    return run[0], run[1]
+    return run[0] + straggle_s(prof.step_samples_s, world_size), run[1]
+
+
+def straggle_s(samples: list[float], world_size: int) -> float:
+    """How much longer than the median step the slowest of `world_size` ranks takes, each
+    drawing its step from `samples` (one rank's profiled steps) independently: E[max of n
+    draws] - median, from the samples' empirical distribution. 0 for one rank or no samples."""
+    if world_size <= 1 or not samples:
+        return 0.0
+    xs, m = sorted(samples), len(samples)
+    expected_max = sum(x * ((i / m) ** world_size - ((i - 1) / m) ** world_size)
+                       for i, x in enumerate(xs, start=1))  # fmt: skip
+    return max(0.0, expected_max - statistics.median(xs))
 
 
 def peak_memory(setup: Setup, prof: Profile, link: Link, world_size: int) -> dict[str, int]:

@@ -6,6 +6,7 @@
     prof.hook_s[b]           # the comm hook's own seconds on bucket b (PowerSGD's compression)
     prof.ready_s[i]          # parameter i's gradient was ready this long into backward (sharded)
     prof.peak_rss_bytes      # peak RSS while training, this strategy at world size 1
+    prof.step_samples_s      # every timed step's seconds: how much one step varies
 
 The DDP strategies run in a world of one (ddptrain.spawn), wrapped as at any world size, so
 the wrapper's own work (filling buckets, the PowerSGD hook's compression, timed per bucket) is
@@ -50,10 +51,8 @@ WARMUP_STEPS = 3
 # forkserver inherits pages it would otherwise fault in while training (a lower peak RSS), so
 # profile and --check start every rank so.
 START_METHOD = "spawn"
-# A guest's CPU runs up to a third slower for a second or two at a time (its host's other
-# tenants, which the guest cannot see): eight MLP steps caught one such spell or none, and
-# their median moved by 15-24% from profile to profile. Steps are timed until MIN_TIMED_S
-# of wall time has passed (at least TIMED_STEPS, at most MAX_TIMED_STEPS).
+# A guest's CPU runs up to a third slower for a second or two at a time: the median of eight
+# MLP steps moved 15-24% between profiles, of MIN_TIMED_S of wall time's steps 6-10%.
 TIMED_STEPS = 8
 MIN_TIMED_S = 2.0
 MAX_TIMED_STEPS = 400
@@ -98,6 +97,7 @@ class Profile:
     optimizer_state_bytes: int = 0
     device: str = "cpu"  # what the seconds and bytes are of (the module docstring)
     timed_steps: int = 0  # the medians are over this many steps
+    step_samples_s: list[float] = field(default_factory=list)  # each timed step's seconds
 
     @property
     def param_bytes(self) -> int:
@@ -234,6 +234,7 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
         "optimizer_state_bytes": _state_bytes(optimizer),
         "device": setup.device,
         "timed_steps": len(times["step"]),
+        "step_samples_s": times["step"],
     }
 
 

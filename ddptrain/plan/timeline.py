@@ -18,7 +18,7 @@ share the `cores` equally, each at most one core (processor sharing, as the kern
 gives runnable threads equal time), with the same threads of the `peers` ranks on those cores
 and `background` threads of other programs; `cores=None` runs every thread at full speed.
 Every rank is taken to run the same timeline at the same time, save the meetings' measured
-mean waits: stragglers and noise are the first assumptions that break (docs/plan.md).
+mean waits (predict.py adds the wait for the slowest rank; docs/plan.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import pytest
 
 import ddptrain
 from ddptrain.plan.links import BusLink, LocalLink, ShapedLink, ring_factor, ring_steps
-from ddptrain.plan.predict import step_seconds
+from ddptrain.plan.predict import step_seconds, straggle_s
 from ddptrain.plan.setup import Setup
 from ddptrain.plan.steps import ddp_ops
 from ddptrain.plan.timeline import Alloc, Compute, Free, Job, Launch, Wait, simulate
@@ -75,6 +75,27 @@ def test_ddp_step_with_two_buckets_on_a_bus():
     step, floor = step_seconds(Setup(strategy="ddp"), ddp_profile(), bus(), 2)
     assert step == pytest.approx(0.042)
     assert floor == pytest.approx(0.032)
+
+
+def test_the_slowest_of_n_ranks_against_closed_forms():
+    """Steps of 1, 2, 3 and 4 ms equally likely: the slower of two ranks takes 50/16 ms on
+    average (sum of x * (F(x)^2 - F(x-)^2)), 0.625 ms beyond the 2.5 ms median; many ranks
+    approach the slowest sample; one rank, or steps that never vary, wait for no one."""
+    samples = [0.004, 0.001, 0.003, 0.002]
+    assert straggle_s(samples, 2) == pytest.approx(0.000625)
+    assert straggle_s(samples, 3) > straggle_s(samples, 2)
+    assert straggle_s(samples, 1000) == pytest.approx(0.0015, rel=1e-3)
+    assert straggle_s(samples, 1) == 0.0 and straggle_s([0.002] * 9, 4) == 0.0
+    assert straggle_s([], 4) == 0.0
+
+
+def test_a_step_waits_for_the_slowest_rank():
+    """The predicted step at ws 2 is the simulated one plus the expected wait for the slower
+    rank drawn from the profile's samples; the floor (no communication) is not."""
+    plain = step_seconds(Setup(strategy="ddp"), ddp_profile(), bus(), 2)
+    varied = ddp_profile(step_samples_s=[0.004, 0.001, 0.003, 0.002])
+    step, floor = step_seconds(Setup(strategy="ddp"), varied, bus(), 2)
+    assert (step, floor) == pytest.approx((plain[0] + 0.000625, plain[1]))
 
 
 def test_ddp_step_hides_a_fast_link():
