@@ -52,7 +52,7 @@ WARMUP_STEPS = 3
 # profile and --check start every rank so.
 START_METHOD = "spawn"
 # A guest's CPU runs up to a third slower for a second or two at a time: the median of eight
-# MLP steps moved 15-24% between profiles, of MIN_TIMED_S of wall time's steps 6-10%.
+# MLP steps moved 15-24% between profiles, of 60 steps (4 s) 6-10%.
 TIMED_STEPS = 8
 MIN_TIMED_S = 2.0
 MAX_TIMED_STEPS = 400
