@@ -6,6 +6,7 @@
         ...
         kill_tree(proc)                           # the process and all its descendants
         shape(a, "1gbit", 65536, 16 << 20)        # a's sends leave at 1 Gbit/s (tc tbf)
+        cap_segments(a, 16384)                    # TCP hands a's qdisc at most 16 KiB at once
 
 Each host is a network namespace with one end of the veth pair on the private
 10.231.77.0/24 (addresses that exist only inside the two namespaces) and, for each command,
@@ -114,6 +115,16 @@ def shape(host: Host, rate: str, burst_bytes: int, limit_bytes: int) -> list[str
     except subprocess.CalledProcessError as exc:
         raise HostsUnavailable(f"`{' '.join(command)}` failed: {exc.stderr.strip()}") from None
     return command
+
+
+def cap_segments(host: Host, nbytes: int) -> list[str] | None:
+    """Cap the segments TCP hands `host`'s end of the veth (GSO, 64 KiB by default) at `nbytes`.
+    Returns the ip command, or None where the kernel or iproute2 refuses it (segments stay
+    64 KiB)."""
+    command = ["ip", "-n", host.netns, "link", "set", "dev", host.ifname]
+    command += ["gso_max_size", str(nbytes)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    return command if done.returncode == 0 else None
 
 
 def torchrun(

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import ddptrain
+from ddptrain.bench import link as bench_link
 from ddptrain.bench.memory import return_freed_memory
 from ddptrain.plan.links import LocalLink, ShapedLink, rate_bits
 from ddptrain.plan.meeting import measure_meeting
@@ -108,6 +109,9 @@ def measured_shaped_link(rate: str, refresh: bool = False) -> ShapedLink:
     at world size 2 (cached)."""
     name = f"shaped:{rate}"
     cached = None if refresh else _cached(name)
+    # A link the emulator now shapes differently (its token bucket) is measured again.
+    if cached is not None and cached.get("burst_bytes") != bench_link.burst_bytes(rate):
+        cached = None
     local = local_link([1, 2])
     if cached is None:
         cached = _calibrate_two_hosts(rate)
@@ -131,7 +135,6 @@ def measured_shaped_link(rate: str, refresh: bool = False) -> ShapedLink:
 def _calibrate_two_hosts(rate: str) -> dict[str, Any]:
     import tempfile
 
-    from ddptrain.bench import link as bench_link
     from ddptrain.bench.hosts import run_launchers, terminate_as_exit
     from ddptrain.netns import torchrun, two_hosts
 
@@ -155,8 +158,9 @@ def _calibrate_two_hosts(rate: str) -> dict[str, Any]:
         "wall": wall,
         "meet": _slowest_meetings(ranks),
         "round_trip_s": probe["round_trip_us"] * 1e-6,
+        "burst_bytes": shaping["burst_bytes"],
         "source": f"measured {time.strftime('%Y-%m-%d %H:%M')} over two namespaces, tc tbf "
-        f"{rate}; probe {probe['mbit_per_s']:.0f} Mbit/s",
+        f"{rate}, burst {shaping['burst_bytes']} B; probe {probe['mbit_per_s']:.0f} Mbit/s",
     }
 
 

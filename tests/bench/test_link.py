@@ -1,0 +1,49 @@
+"""The shaped link between two fake hosts (bench/link.py): its token bucket and segments.
+
+    pytest tests/bench/test_link.py -rs     # the namespace test needs root and `ip netns`
+
+Traffic stays on the private veth between the test's own namespaces.
+"""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from ddptrain.bench import link
+from ddptrain.netns import HostsUnavailable, two_hosts
+
+
+def test_segments_are_a_millisecond_of_the_rate_within_bounds():
+    """The veth's segment cap is BURST_S of the rate, never under MIN_SEGMENT_BYTES nor over
+    the 64 KiB TCP uses anyway."""
+    assert link.segment_bytes("100mbit") == int(100e6 / 8 * link.BURST_S)
+    assert link.segment_bytes("10mbit") == link.MIN_SEGMENT_BYTES
+    assert link.segment_bytes("1gbit") == link.GSO_BYTES
+    assert link.segment_bytes("10gbit") == link.GSO_BYTES
+
+
+def test_a_message_after_an_idle_moment_pays_most_of_its_serialization_at_100mbit():
+    """At 100mbit the bucket lets at most ~2 ms of bytes skip the rate: a 128 KiB message sent
+    after an idle moment takes at least 75% of its 10.5 ms at the rate (with 64 KiB segments
+    the bucket held 6 ms of bytes, and it took ~4.5 ms); the veth reports the segment cap."""
+    try:
+        with two_hosts("lk") as (a, b):
+            shaping = link.shape_link(a, b, "100mbit")
+            shown = subprocess.run(
+                ["ip", "-n", a.netns, "-d", "link", "show", a.ifname],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
+    except HostsUnavailable as exc:
+        pytest.skip(str(exc))
+    segment = shaping["segment_bytes"]
+    assert segment == link.segment_bytes("100mbit")
+    assert f"gso_max_size {segment} " in shown
+    assert shaping["burst_bytes"] == segment + int(100e6 / 8 * link.BURST_S)
+    probe = shaping["probe"]
+    at_rate_s = probe["idle_message_bytes"] * 8 / 100e6
+    assert probe["idle_message_s"] >= 0.75 * at_rate_s, probe
+    assert 0 < probe["mbit_per_s"] <= 100 * 1.02
