@@ -11,13 +11,13 @@
     result.predictions[0].at(4).step_s, result.predictions[0].at(4).peak_bytes
     result.largest_efficient          # (world size, strategy) keeping efficiency >= 80%
 
-It profiles the model's step on one process (profile.py), measures this machine's collectives
-once (calibrate.py, cached), and models the rest: each rank's step as threads sharing its
-cores (timeline.py, steps.py), the link's cost per collective (links.py), the bytes a rank
-holds (memory.py, predict.py). `--check` trains the same setups for real (check.py) and prints
-predicted against measured. `device`: where the profile and the check run, "cuda" (the
-default where torch sees a GPU: device seconds and bytes, a GPU link) or "cpu" (meter.py).
-scaling.py writes docs/scaling.md (GPU ranks on paper).
+It profiles the model's step on one process (profile.py; in turns, rounds.py), measures this
+machine's collectives once (calibrate.py, cached), and models the rest: each rank's step as
+threads sharing its cores (timeline.py, steps.py), the link's cost per collective (links.py),
+the bytes a rank holds (memory.py, predict.py). `--check` trains the same setups for real
+(check.py) and prints predicted against measured. `device`: where the profile and the check run,
+"cuda" (the default where torch sees a GPU: device seconds and bytes, a GPU link) or "cpu"
+(meter.py). scaling.py writes docs/scaling.md (GPU ranks on paper).
 docs/plan.md states the formulas and what they assume.
 """
 
@@ -52,6 +52,7 @@ from ddptrain.plan.predict import (
     set_efficiency,
 )
 from ddptrain.plan.profile import Profile, profile
+from ddptrain.plan.rounds import profile_in_rounds
 from ddptrain.plan.setup import STRATEGIES, Setup, default_device, require_device
 
 __all__ = ["Plan", "Prediction", "Profile", "Setup", "plan", "profile", "resolve_link"]
@@ -147,11 +148,13 @@ def plan(
     memory_per_rank_bytes: int | None = None,
     profiles: dict[str, Profile] | None = None,
     device: str | None = None,
+    profile_rounds: int = 1,
 ) -> Plan:
     """Predict every strategy at every world size (the module docstring); `link`: None for
     the device's default (DEFAULT_LINKS); `background`: busy threads of other programs to
     share the cores with (None: counted now, 0 for an idle machine); `profiles`: by strategy,
-    to reuse; `device`: None for cuda where torch sees a GPU, else cpu."""
+    to reuse; `device`: None for cuda where torch sees a GPU, else cpu; `profile_rounds`:
+    passes of each profile, the strategies taking turns (rounds.py)."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}: choose from {', '.join(STRATEGIES)}")
@@ -169,9 +172,8 @@ def plan(
     busy = 0.0
     if isinstance(resolved, LocalLink | ShapedLink):
         busy = background_threads() if background is None else background
-    predictions, used = [], []
-    for strategy in strategies:
-        setup = Setup(
+    setups = [
+        Setup(
             model=model,
             batch_size=batch_size,
             precision=precision,
@@ -180,7 +182,14 @@ def plan(
             powersgd_rank=powersgd_rank,
             device=device,
         )
-        prof = (profiles or {}).get(strategy) or profile(setup)
+        for strategy in strategies
+    ]
+    given = profiles or {}
+    missing = [setup for setup in setups if setup.strategy not in given]
+    made = dict(zip(missing, profile_in_rounds(missing, profile_rounds, profile), strict=True))
+    predictions, used = [], []
+    for setup in setups:
+        prof = given.get(setup.strategy) or made[setup]
         used.append(prof)
         points = sorted(set(sizes) | {1})
         pred = predict(setup, prof, resolved, points, background=busy)

@@ -104,8 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet-wait-s", type=float, default=120.0)
     p.add_argument("--steps", default="3,6,2", help="--check: warm-up steps, blocks, steps a block")
     p.add_argument("--rounds", type=int, default=1,
-                   help="--check: runs of each configuration, the strategies of a world "
-                   "size taking turns, the order reversed each round; blocks pooled")  # fmt: skip
+                   help="profiles of each strategy and --check's runs of each configuration, "
+                   "the strategies taking turns, the order reversed each round; profiles "
+                   "merged, blocks pooled")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("plan-results"))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--json", action="store_true",
@@ -233,6 +234,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
                 background=args.background,
                 memory_per_rank_bytes=budget,
                 device=args.device,
+                profile_rounds=args.rounds,
             )
             title = f"{model}, {link_name}: {getattr(link, 'description', '')}"
             print(f"\n== {title} (planned for {result.background_threads:.1f} busy threads of "

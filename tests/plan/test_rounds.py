@@ -1,0 +1,82 @@
+"""Profiles in rounds (plan/rounds.py): the strategies take turns, and a strategy's passes merge."""
+
+from __future__ import annotations
+
+import pytest
+
+import ddptrain.plan
+from ddptrain.plan.rounds import merge, profile_in_rounds
+from ddptrain.plan.setup import Setup
+from support.plan_profiles import ddp_profile
+
+MIB = 1 << 20
+
+
+def test_merge_takes_the_mean_of_the_passes_and_keeps_every_step():
+    """Times and bytes are the passes' means (per bucket too), the steps of both passes are
+    kept, and what does not vary (the buckets) is the first pass's."""
+    fast = ddp_profile(step_s=0.030, backward_s=0.018, bucket_ready_s=[0.004, 0.014],
+                       peak_rss_bytes=200 * MIB, timed_steps=2,
+                       step_samples_s=[0.03, 0.03])  # fmt: skip
+    slow = ddp_profile(step_s=0.040, backward_s=0.024, bucket_ready_s=[0.006, 0.018],
+                       peak_rss_bytes=202 * MIB, timed_steps=3,
+                       step_samples_s=[0.04, 0.05, 0.04])  # fmt: skip
+    both = merge([fast, slow])
+    assert both.step_s == pytest.approx(0.035)
+    assert both.backward_s == pytest.approx(0.021)
+    assert both.bucket_ready_s == pytest.approx([0.005, 0.016])
+    assert both.peak_rss_bytes == 201 * MIB
+    assert both.timed_steps == 5
+    assert sorted(both.step_samples_s) == [0.03, 0.03, 0.04, 0.04, 0.05]
+    assert both.buckets == fast.buckets
+    assert fast.step_s == 0.030  # the passes are left as they were
+
+
+def test_merge_averages_each_units_forward_span():
+    """A sharded profile's per-unit spans and activation bytes are averaged unit by unit."""
+    a = ddp_profile(unit_forward_s=[[0.0, 0.002], [0.002, 0.006]], unit_activation_bytes=[10, 30])
+    b = ddp_profile(unit_forward_s=[[0.0, 0.004], [0.004, 0.010]], unit_activation_bytes=[20, 50])
+    both = merge([a, b])
+    assert [pytest.approx(row) for row in both.unit_forward_s] == [[0.0, 0.003], [0.003, 0.008]]
+    assert both.unit_activation_bytes == [15, 40]
+
+
+def test_rounds_take_turns_reversing_the_order_and_merge_per_setup():
+    """Two rounds over three setups profile them a, b, c, then c, b, a; each setup's profile
+    merges its own two passes."""
+    setups = [Setup(model="mlp", strategy=s) for s in ("ddp", "zero1", "powersgd")]
+    order: list[str] = []
+
+    def run(setup: Setup):
+        order.append(setup.strategy)
+        return ddp_profile(step_s=0.01 * len(order), step_samples_s=[0.01 * len(order)])
+
+    profiles = profile_in_rounds(setups, rounds=2, run=run)
+    assert order == ["ddp", "zero1", "powersgd", "powersgd", "zero1", "ddp"]
+    # ddp: passes 1 and 6; powersgd: passes 3 and 4.
+    assert profiles[0].step_s == pytest.approx(0.035)
+    assert profiles[2].step_s == pytest.approx(0.035)
+    assert profiles[1].step_samples_s == pytest.approx([0.02, 0.05])
+
+
+def test_plan_profiles_each_strategy_once_a_round_and_reuses_given_profiles(monkeypatch):
+    """plan(profile_rounds=2) profiles every strategy not given twice and none given."""
+    seen: list[str] = []
+
+    def fake(setup: Setup):
+        seen.append(setup.strategy)
+        return ddp_profile(timed_steps=8)
+
+    monkeypatch.setattr(ddptrain.plan, "profile", fake)
+    result = ddptrain.plan.plan(
+        "lenet",
+        strategies=["ddp", "zero1", "powersgd"],
+        world_sizes=[8],
+        link="nccl-100g",
+        profiles={"zero1": ddp_profile(timed_steps=8)},
+        profile_rounds=2,
+        device="cpu",
+    )
+    assert seen == ["ddp", "powersgd", "powersgd", "ddp"]
+    assert [p.timed_steps for p in result.profiles] == [16, 8, 16]
+    assert len(result.predictions) == 3
