@@ -158,6 +158,8 @@ def plan(
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}: choose from {', '.join(STRATEGIES)}")
+    if profile_rounds < 1:
+        raise ValueError(f"profile_rounds: at least 1, got {profile_rounds}")
     device = device or default_device()
     if profiles is None or set(strategies) - set(profiles):
         require_device(device)

@@ -133,7 +133,7 @@ def test_two_hosts_reduce_over_tcp_and_leave_no_namespace(root_and_netns, tmp_pa
 @pytest.mark.slow
 def test_two_hosts_over_a_shaped_link_record_the_shaping_and_its_measure(root_and_netns, tmp_path):
     """--link 100mbit: tbf on both veth ends, a probe no faster than the rate allows (its
-    76 KiB burst adds at most 1.6% to the probe's 5 MB; a loaded machine is only slower), and
+    24 KiB burst adds at most 0.5% to the probe's 5 MB; a loaded machine is only slower), and
     the compression variants timed across the two hosts; the namespaces are gone after."""
     argv = ["--two-hosts", "--link", "100mbit", "--quick", "--out", str(tmp_path)]
     try:

@@ -60,7 +60,8 @@ def test_rounds_take_turns_reversing_the_order_and_merge_per_setup():
 
 
 def test_plan_profiles_each_strategy_once_a_round_and_reuses_given_profiles(monkeypatch):
-    """plan(profile_rounds=2) profiles every strategy not given twice and none given."""
+    """plan(profile_rounds=2) profiles every strategy not given twice and none given; no
+    rounds at all is refused."""
     seen: list[str] = []
 
     def fake(setup: Setup):
@@ -80,3 +81,5 @@ def test_plan_profiles_each_strategy_once_a_round_and_reuses_given_profiles(monk
     assert seen == ["ddp", "powersgd", "powersgd", "ddp"]
     assert [p.timed_steps for p in result.profiles] == [16, 8, 16]
     assert len(result.predictions) == 3
+    with pytest.raises(ValueError, match="profile_rounds: at least 1, got 0"):
+        ddptrain.plan.plan("lenet", link="nccl-100g", profile_rounds=0, device="cpu")
