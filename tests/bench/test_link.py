@@ -47,3 +47,32 @@ def test_a_message_after_an_idle_moment_pays_most_of_its_serialization_at_100mbi
     at_rate_s = probe["idle_message_bytes"] * 8 / 100e6
     assert probe["idle_message_s"] >= 0.75 * at_rate_s, probe
     assert 0 < probe["mbit_per_s"] <= 100 * 1.02
+
+
+@pytest.mark.parametrize(
+    ("cached_burst", "measured_again"),
+    [
+        (link.burst_bytes("100mbit"), False),  # made with capped segments
+        (link.burst_bytes("100mbit", link.GSO_BYTES), False),  # a kernel that refused the cap
+        (None, True),  # made before the bucket was recorded
+        (123, True),  # another bucket
+    ],
+)
+def test_a_cached_shaped_link_is_measured_again_only_under_another_bucket(
+    monkeypatch, cached_burst, measured_again
+):
+    """The planner's cached 100mbit calibration is kept when its bucket is one the emulator
+    makes now (capped segments, or 64 KiB ones where the kernel refuses the cap), and
+    measured again otherwise."""
+    from ddptrain.plan import calibrate
+
+    entry = {"cpu": {}, "wall": {}, "meet": {}, "round_trip_s": 1e-4, "source": "cached"}
+    if cached_burst is not None:
+        entry["burst_bytes"] = cached_burst
+    fresh = {**entry, "source": "measured", "burst_bytes": link.burst_bytes("100mbit")}
+    monkeypatch.setattr(calibrate, "_cached", lambda name: entry)
+    monkeypatch.setattr(calibrate, "local_link", lambda sizes: None)
+    monkeypatch.setattr(calibrate, "_calibrate_two_hosts", lambda rate: fresh)
+    monkeypatch.setattr(calibrate, "_store", lambda name, value: None)
+    shaped = calibrate.measured_shaped_link("100mbit")
+    assert shaped.source == ("measured" if measured_again else "cached")
