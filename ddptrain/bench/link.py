@@ -54,19 +54,20 @@ server = socket.create_server((sys.argv[1], 0))
 print(server.getsockname()[1], flush=True)
 conn, _ = server.accept()
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+buf = bytearray(1 << 20)
+
+def take(left):
+    while left > 0:
+        n = conn.recv_into(buf, min(left, len(buf)))
+        if n == 0:
+            sys.exit("the sender closed early")
+        left -= n
+    conn.sendall(b"k")
+
 for _ in range(int(sys.argv[3])):
     conn.sendall(conn.recv(1))
-left, buf = int(sys.argv[4]), bytearray(1 << 20)
-while left > 0:
-    left -= conn.recv_into(buf, min(left, len(buf))) or sys.exit("the sender closed early")
-conn.sendall(b"k")
-left, buf = int(sys.argv[2]), bytearray(1 << 20)
-while left > 0:
-    n = conn.recv_into(buf, min(left, len(buf)))
-    if n == 0:
-        sys.exit("the sender closed early")
-    left -= n
-conn.sendall(b"k")
+take(int(sys.argv[4]))
+take(int(sys.argv[2]))
 """
 _SEND = """
 import socket, statistics, sys, time

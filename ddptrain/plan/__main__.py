@@ -55,6 +55,7 @@ from ddptrain.plan.report import (
     plot,
     text_chart,
 )
+from ddptrain.plan.rounds import turns
 from ddptrain.plan.run import Steps
 from ddptrain.plan.setup import (
     OPTIMIZERS,
@@ -177,15 +178,14 @@ def _check(args: argparse.Namespace, result: Any, link: Any) -> list[dict[str, A
         ]
         runs: list[list[dict[str, Any]]] = [[] for _ in todo]
         busy: list[list[float]] = [[] for _ in todo]
-        for r in range(args.rounds):
-            for i in range(len(todo))[:: -1 if r % 2 else 1]:
-                setup = todo[i][0]
-                busy[i].append(_background(args, link))
-                if isinstance(link, ShapedLink):
-                    run = functools.partial(run_two_hosts, setup, link.name, args.steps)
-                else:
-                    run = functools.partial(run_local, setup, n, args.steps)
-                runs[i].append(run_twice_at_most(run, f"{setup.label} ws{n} {link.name}"))
+        for i in turns(len(todo), args.rounds):
+            setup = todo[i][0]
+            busy[i].append(_background(args, link))
+            if isinstance(link, ShapedLink):
+                run = functools.partial(run_two_hosts, setup, link.name, args.steps)
+            else:
+                run = functools.partial(run_local, setup, n, args.steps)
+            runs[i].append(run_twice_at_most(run, f"{setup.label} ws{n} {link.name}"))
         for (setup, prof), measured, counts in zip(todo, runs, busy, strict=True):
             mean_busy = statistics.fmean(counts)
             point = predict(setup, prof, link, [n], background=mean_busy).points[0]

@@ -12,7 +12,7 @@ their medians.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ddptrain.plan.profile import Profile, profile
 from ddptrain.plan.setup import Setup
@@ -28,10 +28,16 @@ def profile_in_rounds(
     """A profile per setup, each the merge of `rounds` passes; odd rounds go through the
     setups in reverse; `run`: profiles one setup (profile.profile)."""
     passes: list[list[Profile]] = [[] for _ in setups]
-    for r in range(rounds):
-        for i in range(len(setups))[:: -1 if r % 2 else 1]:
-            passes[i].append(run(setups[i]))
+    for i in turns(len(setups), rounds):
+        passes[i].append(run(setups[i]))
     return [merge(p) for p in passes]
+
+
+def turns(count: int, rounds: int) -> Iterator[int]:
+    """Indices 0..count-1, `rounds` times over, every other round in reverse: the order
+    profiles and --check's runs take their turns in."""
+    for r in range(rounds):
+        yield from range(count)[:: -1 if r % 2 else 1]
 
 
 def merge(passes: list[Profile]) -> Profile:
