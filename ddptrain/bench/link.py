@@ -153,12 +153,10 @@ def probe(a: Host, b: Host, nbytes: int) -> tuple[float, float, float]:
     median seconds of a 1-byte round trip, seconds of one IDLE_MESSAGE_BYTES message sent
     after an idle moment and answered)."""
     message = str(IDLE_MESSAGE_BYTES)
+    receive = [b.addr, str(nbytes), str(_ROUND_TRIPS), message]
     receiver = subprocess.Popen(
-        b.command([sys.executable, "-c", _RECEIVE, b.addr, str(nbytes), str(_ROUND_TRIPS),
-                   message]),
-        stdout=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
+        b.command([sys.executable, "-c", _RECEIVE, *receive]), stdout=subprocess.PIPE, text=True
+    )
     try:
         port = receiver.stdout.readline().strip()
         argv = [b.addr, port, str(nbytes), str(_ROUND_TRIPS), message, str(_IDLE_S)]
