@@ -117,7 +117,7 @@ class ExactReducer(Reducer):
     def step(self, value: int) -> None:
         self.forwards.step = value
 
-    def use_hook(self, state: object, hook: CommHook) -> None:
+    def use_hook(self, state: object, hook: CommHook, beside: Transport | None = None) -> None:
         """Only a Transport that sums int64 buckets exactly (not a cast, not a torch hook)."""
         if not (isinstance(state, Transport) and hook is transport_hook and state.sums_exactly):
             raise ValueError(
@@ -126,7 +126,7 @@ class ExactReducer(Reducer):
                 "PowerSGD rounds them): use the default hook, or named_hook('allreduce'), 'shm', "
                 "'tcp' or 'ring'"
             )
-        super().use_hook(state, hook)
+        super().use_hook(state, hook, beside)
 
     def _tail_values(self) -> list[int]:
         missing, carried = self._records_missing, self._carry_value

@@ -18,7 +18,9 @@ the first synchronized backward, in the order rank 0 saw gradients become ready.
 
 The last bucket ends with a tail the transport sums with the gradients: a "used here" flag per
 parameter (one no rank used keeps grad=None), then the value of `carry`, the extension point
-the Trainer's stop at a step boundary rides on. With a torch hook it is one small all_reduce.
+the Trainer's stop at a step boundary rides on. With a torch hook it is one small sum of its
+own: through the default transport the wrapper keeps beside the hook on CPU (shared memory:
+microseconds, where gloo's loopback round trip took milliseconds a step), else the backend's.
 """
 
 from __future__ import annotations
@@ -113,14 +115,18 @@ class Reducer:
         self._scratch = torch.empty(0)
 
     # ----------------------------------------------------------------------------- hook
-    def use_hook(self, state: object, hook: CommHook) -> None:
+    def use_hook(self, state: object, hook: CommHook, beside: Transport | None = None) -> None:
         """Reduce buckets with `hook(state, bucket)`; a Transport state also places them, sums
-        gradients already divided by world_size and carries the tail with the last bucket."""
+        gradients already divided by world_size and carries the tail with the last bucket.
+        `beside`: where a state is no Transport, one that sums the tail and sends the buffers
+        (else the backend does)."""
         self.hook_state, self.hook = state, hook
         self.transport = state if isinstance(state, Transport) else None
+        self._beside = beside if self.transport is None else None
+        self._beside_tail: torch.Tensor | None = None
         # transport_hook's work without building its future, on the hot path once per bucket.
         self._reduce_in_place = self.transport if hook is transport_hook else None
-        self.buffers.transport = self.transport
+        self.buffers.transport = self.transport or self._beside
         self.divisor = self.world_size if self.transport is not None else 1
         self._build_buckets(list(reversed(range(len(self.params)))))
         self._ready_order: list[int] | None = [] if self._rebuild else None
@@ -329,19 +335,33 @@ class Reducer:
 
     def _sum_tail(self) -> list[bool]:
         """The tail's sums over ranks: which parameters got a gradient on some rank (returned),
-        and `carried`. A transport summed them in the last bucket; else one small all_reduce."""
+        and `carried`. A transport summed them in the last bucket; else `_sum_apart`."""
         if self._tail is not None:
             *sums, total = self._tail.tolist()
             used_anywhere, total = [v != 0 for v in sums], round(total)
         elif self.world_size == 1:
             used_anywhere, total = list(self.used), self._carry_value
         else:
-            device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
-            tail = torch.tensor([*self.used, self._carry_value], dtype=torch.int32, device=device)
-            dist.all_reduce(tail, group=self.process_group)
-            used_anywhere, total = (tail[:-1] != 0).tolist(), int(tail[-1])
+            *sums, total = self._sum_apart([*self.used, self._carry_value])
+            used_anywhere, total = [v != 0 for v in sums], int(total)
         self._carry_value, self.carried = 0, total
         return used_anywhere
+
+    def _sum_apart(self, values: list[int]) -> list[int]:
+        """Collective: `values` summed over ranks, through the transport beside a hook (its
+        buffer made at the first call, which every rank reaches in the same order), else one
+        small all_reduce of the backend."""
+        if self._beside is None:
+            device = self.buckets[0].flat.device if self.buckets else torch.device("cpu")
+            tail = torch.tensor(values, dtype=torch.int32, device=device)
+            dist.all_reduce(tail, group=self.process_group)
+            return tail.tolist()
+        if self._beside_tail is None:
+            self._beside_tail = self._beside.allocate(len(values), torch.int64, torch.device("cpu"))
+        tail = self._beside_tail
+        tail.copy_(torch.tensor(values, dtype=torch.int64))
+        self._beside.reduce(GradBucket(len(self.buckets), tail, [], [], True))
+        return tail.tolist()
 
     def _point_grads(self, used_anywhere: list[bool]) -> None:
         for index, p in enumerate(self.params):

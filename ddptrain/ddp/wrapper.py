@@ -37,6 +37,7 @@ from torch.distributed.algorithms.join import Joinable
 from ddptrain.ddp.buckets import mb_to_bytes
 from ddptrain.ddp.hooks import (
     CommHook,
+    Transport,
     cpu_forward_mode,
     default_transport,
     module_on_cpu,
@@ -169,7 +170,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
         # A hook given here counts as registered: register_comm_hook then refuses another.
         self._user_hook = comm_hook is not None
-        self._use_hook(*self._hook(comm_hook))
+        state, hook = self._hook(comm_hook)
+        self._use_hook(state, hook, self._transport_beside(state))
         self.join_hook_in_use: WrapperJoinHook | None = None
 
     def _hook(self, comm_hook: tuple[object, CommHook] | None) -> tuple[object, CommHook]:
@@ -188,6 +190,17 @@ class DistributedDataParallel(nn.Module, Joinable):
             "comm_hook=ddptrain.named_hook('bf16') (ddptrain/comm.py lists the names)"
         )
 
+    def _transport_beside(self, state: object) -> Transport | None:
+        """Collective: for a hook that is no Transport, on CPU under gloo, the default transport
+        for the wrapper's own small collectives (the used flags, buffers): gloo's loopback round
+        trip costs milliseconds a step on a busy host, shared memory microseconds."""
+        if isinstance(state, Transport) or not self._own_sums_on_cpu():
+            return None
+        return default_transport(self.process_group, on_cpu=True)
+
+    def _own_sums_on_cpu(self) -> bool:
+        return module_on_cpu(self.module) and dist.get_backend(self.process_group) == "gloo"
+
     # ----------------------------------------------------------------------------- hooks
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """torch's protocol: `hook(state, bucket) -> Future[Tensor]` reduces each bucket (the
@@ -201,13 +214,17 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "register_comm_hook must be called before the first synchronized backward"
             )
         refuse_shared_group(self.module, state)
-        if self.reducer.transport is not None:
-            self.reducer.transport.close()
-        self._use_hook(state, hook)
+        # The default transport stays for the wrapper's own sums beside a hook that is none;
+        # its bucket rows go with the buckets the reducer rebuilds.
+        old = self.reducer.transport
+        beside = old if not isinstance(state, Transport) and self._own_sums_on_cpu() else None
+        if old is not None and old is not beside:
+            old.close()
+        self._use_hook(state, hook, beside)
         self._user_hook = True
 
-    def _use_hook(self, state: object, hook: CommHook) -> None:
-        self.reducer.use_hook(state, hook)
+    def _use_hook(self, state: object, hook: CommHook, beside: Transport | None = None) -> None:
+        self.reducer.use_hook(state, hook, beside)
         # On the CPU, large Linear layers may compute their gradients straight into their
         # bucket slots (ddptrain/cpu/linear_slots.py), where .grad is the slot itself.
         self._forward_mode = None

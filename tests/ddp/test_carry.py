@@ -88,9 +88,41 @@ def _case_no_extra_collective(info) -> dict:
     }
 
 
+def _case_torch_hook_collectives(info) -> dict:
+    out = {}
+    for how in ("registered", "given"):
+        torch.manual_seed(0)
+        base = toy_models.make("batchnorm")
+        hook = (None, default_hooks.allreduce_hook)
+        if how == "registered":
+            model = DistributedDataParallel(base)
+            model.register_comm_hook(*hook)
+        else:
+            model = DistributedDataParallel(base, comm_hook=hook)
+        x = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(info.rank))
+        model(x).sum().backward()  # the first backward broadcasts the bucket order: not counted
+        dist.barrier()
+        calls = _record_collectives()
+        model.reducer.carry(info.rank + 1)
+        model(x).sum().backward()
+        out[how] = {
+            "backend": len(calls),
+            "buckets": len(model.bucket_sizes_bytes),
+            "flag": model.reducer.carried,
+            "grads": all(p.grad is not None for p in model.parameters()),
+        }
+        for name in ("all_reduce", "broadcast", "all_gather", "barrier"):
+            setattr(dist, name, getattr(dist.distributed_c10d, name))
+    return out
+
+
 world = worlds.fixture(
-    {"flags": _case_flags, "no_extra_collective": _case_no_extra_collective},
-    {2: ["flags", "no_extra_collective"]},
+    {
+        "flags": _case_flags,
+        "no_extra_collective": _case_no_extra_collective,
+        "torch_hook_collectives": _case_torch_hook_collectives,
+    },
+    {2: ["flags", "no_extra_collective", "torch_hook_collectives"]},
     timeout_s=WORLD_TIMEOUT_S,
     setup=worlds.share_small_buckets,
 )
@@ -113,6 +145,16 @@ def test_the_carried_value_rides_the_reduction_without_a_collective_of_its_own(w
     for r in worlds.outcome(world(2), "no_extra_collective"):
         assert r["other_groups"] == [] and r["reductions"] == r["buckets"]
         assert r["flag"] == 2
+
+
+def test_beside_a_torch_hook_the_flags_and_buffers_skip_the_backend(world):
+    """With a torch hook on CPU, a backward's only backend collectives are the hook's, one per
+    bucket: the used flags, the carried value and rank 0's buffers go through the default
+    transport kept beside it, registered or given to the constructor alike."""
+    for r in worlds.outcome(world(2), "torch_hook_collectives"):
+        for how in ("registered", "given"):
+            assert r[how]["backend"] == r[how]["buckets"], how
+            assert r[how]["flag"] == 1 + 2 and r[how]["grads"], how
 
 
 def test_a_world_of_one_returns_its_own_value(tmp_path, monkeypatch):
