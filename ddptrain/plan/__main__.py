@@ -103,7 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--check: wait until at most this many busy threads of other programs "
                    "before each run (up to --quiet-wait-s)")  # fmt: skip
     p.add_argument("--quiet-wait-s", type=float, default=120.0)
-    p.add_argument("--steps", default="3,6,2", help="--check: warm-up steps, blocks, steps a block")
+    p.add_argument("--steps", default="3,6,2",
+                   help="--check: warm-up steps, blocks, least steps a block")  # fmt: skip
+    p.add_argument("--block-s", type=float, default=Steps.block_s,
+                   help="--check: more steps a block, as many as fill these seconds")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1,
                    help="profiles of each strategy and --check's runs of each configuration, "
                    "the strategies taking turns, the order reversed each round; profiles "
@@ -132,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.rounds < 1:
         p.error("--rounds: at least 1")
     warmup, blocks, block = _ints(args.steps)
-    args.steps = Steps(warmup, blocks, block)
+    args.steps = Steps(warmup, blocks, block, args.block_s)
     return args
 
 
@@ -270,6 +273,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.steps.warmup,
             "blocks": args.steps.blocks,
             "block": args.steps.block,
+            "block_s": args.steps.block_s,
         },  # fmt: skip
         "rounds": args.rounds,
         "malloc": "glibc returns freed blocks at once (mmap threshold 64 KiB, one arena)",

@@ -51,6 +51,7 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "rss_before_model_bytes": max(r["rss_before_model_bytes"] for r in ranks),
         "max_rss_bytes": max(r["max_rss_bytes"] for r in ranks),
         "block_step_s": blocks,
+        "block_steps": ranks[0].get("block_steps"),
         "devices": sorted({r.get("device", "cpu") for r in ranks}),
     }
 

@@ -4,8 +4,12 @@
     torchrun ... -m ddptrain.plan.run --setup '{"model": "mlp"}' --out DIR # a launcher's ranks
 
 A step is zero_grad, forward, loss, backward, optimizer step, as the step bench's. After
-`warmup` steps, `blocks` blocks of `block` steps each start at a barrier and run back to back;
-a block's time per step is taken on every rank, and a step is as slow as its slowest rank.
+`warmup` steps, `blocks` blocks start at a barrier and run their steps back to back: `block`
+steps, or as many more as the slowest rank's last warm-up step fits in `block_s` seconds. A
+block's time per step is taken on every rank, and a step is as slow as its slowest rank. Long
+blocks, since a training run meets no barrier: ranks leave one up to milliseconds apart, and
+the first step after it waits for the last (LeNet at world size 2, 2 cores: 15.6-17.4 ms a
+step in blocks of 2, 14.1-14.3 ms in blocks of 20).
 Memory per rank, reset just before the first step (meter.py): on CPU the RSS before the model
 was built and the peak RSS while training (the kernel's high-water mark), with glibc returning
 freed blocks at once (bench/memory.py's `return_freed_memory`): the allocator the prediction
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import time
 from dataclasses import asdict, dataclass
@@ -41,6 +46,18 @@ class Steps:
     warmup: int = 3
     blocks: int = 6
     block: int = 2
+    block_s: float = 0.5
+
+
+# Blocks of a fast model stay this short at most, whatever block_s asks.
+MAX_BLOCK = 200
+
+
+def block_steps(steps: Steps, warm_step_s: float) -> int:
+    """Steps a block takes: `block`, or as many as `warm_step_s` fits in `block_s` seconds."""
+    if steps.block_s <= 0 or warm_step_s <= 0:
+        return steps.block
+    return max(steps.block, min(MAX_BLOCK, math.ceil(steps.block_s / warm_step_s)))
 
 
 def run_rank(
@@ -66,22 +83,30 @@ def run_rank(
         optimizer.step()
 
     meter.reset_peak()
+    warm = torch.zeros(1, dtype=torch.float64, device=device)
     for _ in range(steps.warmup):
+        meter.sync()
+        start = time.perf_counter()
         step()
+        meter.sync()
+        warm[0] = time.perf_counter() - start
+    dist.all_reduce(warm, op=dist.ReduceOp.MAX)
+    block = block_steps(steps, warm.item())
     block_s, cpu_s = [], []
     for _ in range(steps.blocks):
         meter.sync()
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps.block):
+        for _ in range(block):
             step()
         meter.sync()
-        block_s.append((time.perf_counter() - start) / steps.block)
-        cpu_s.append((time.process_time() - start_cpu) / steps.block)
+        block_s.append((time.perf_counter() - start) / block)
+        cpu_s.append((time.process_time() - start_cpu) / block)
     return {
         "rank": dist.get_rank(),
         "device": setup.device,
         "step_s": block_s,
+        "block_steps": block,
         "cpu_s": cpu_s,
         "rss_before_model_bytes": rss_before_model,
         "peak_rss_bytes": meter.peak_bytes(),

@@ -16,7 +16,7 @@ from ddptrain.plan.predict import (
     set_efficiency,
 )
 from ddptrain.plan.report import format_choice, format_picks, plot
-from ddptrain.plan.run import Steps
+from ddptrain.plan.run import MAX_BLOCK, Steps, block_steps
 from ddptrain.plan.setup import Setup
 from support.plan_profiles import ddp_profile
 
@@ -79,6 +79,17 @@ def test_lenet_ddp_at_two_ranks_is_predicted_within_wide_bounds():
     row = compare(Setup(model="lenet"), point, measured, "local", result.background_threads)
     assert 0.75 <= row["peak_ratio"] <= 1.25, row
     assert 0.5 <= row["step_ratio"] <= 2.0, row
+    assert measured["block_steps"] >= 10, measured  # half a second of ~15-40 ms steps
+
+
+def test_a_block_takes_as_many_steps_as_fill_its_seconds():
+    """A block takes `block` steps at least, more where the warm-up step fits several times in
+    `block_s`, at most MAX_BLOCK; block_s 0 keeps `block`."""
+    assert block_steps(Steps(3, 6, 2, 0.5), 0.015) == 34
+    assert block_steps(Steps(3, 6, 2, 0.5), 0.4) == 2
+    assert block_steps(Steps(3, 6, 4, 0.5), 0.2) == 4
+    assert block_steps(Steps(3, 6, 2, 0.5), 1e-6) == MAX_BLOCK
+    assert block_steps(Steps(3, 6, 2, 0.0), 0.015) == 2
 
 
 def test_json_prints_each_configurations_numbers_and_the_tables_go_to_stderr(
