@@ -190,16 +190,15 @@ class DistributedDataParallel(nn.Module, Joinable):
             "comm_hook=ddptrain.named_hook('bf16') (ddptrain/comm.py lists the names)"
         )
 
-    def _transport_beside(self, state: object) -> Transport | None:
-        """Collective: for a hook that is no Transport, on CPU under gloo, the default transport
-        for the wrapper's own small collectives (the used flags, buffers): gloo's loopback round
-        trip costs milliseconds a step on a busy host, shared memory microseconds."""
-        if isinstance(state, Transport) or not self._own_sums_on_cpu():
+    def _transport_beside(self, state: object, kept: Transport | None = None) -> Transport | None:
+        """For a hook that is no Transport, on CPU under gloo, the transport for the wrapper's
+        own small collectives (the used flags, buffers): `kept`, else a new default one
+        (collective). gloo's loopback round trip costs milliseconds a step on a busy host,
+        shared memory microseconds."""
+        on_cpu = module_on_cpu(self.module) and dist.get_backend(self.process_group) == "gloo"
+        if isinstance(state, Transport) or not on_cpu:
             return None
-        return default_transport(self.process_group, on_cpu=True)
-
-    def _own_sums_on_cpu(self) -> bool:
-        return module_on_cpu(self.module) and dist.get_backend(self.process_group) == "gloo"
+        return kept if kept is not None else default_transport(self.process_group, on_cpu=True)
 
     # ----------------------------------------------------------------------------- hooks
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
@@ -217,7 +216,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # The default transport stays for the wrapper's own sums beside a hook that is none;
         # its bucket rows go with the buckets the reducer rebuilds.
         old = self.reducer.transport
-        beside = old if not isinstance(state, Transport) and self._own_sums_on_cpu() else None
+        beside = self._transport_beside(state, kept=old)
         if old is not None and old is not beside:
             old.close()
         self._use_hook(state, hook, beside)
