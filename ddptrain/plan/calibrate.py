@@ -10,7 +10,9 @@ seconds of every thread of the process, and the wall seconds, of the busiest ran
 wrappers run them: "reduce" is the shared-memory
 transport's (cpu/shm.py) on a bucket it allocated, "reduce_tcp" the TCP transport's (cpu/tcp.py,
 the default across hosts; here over loopback), "all_gather" gloo's into a freshly allocated
-output (the sharded wrapper gathers each unit into memory it just mapped), "reduce_scatter" and
+output (the sharded wrapper gathers each unit into memory it just mapped), "reduce_scatter"
+gloo's into a fresh receive buffer, both started and waited for as the wrapper does, with the
+calling thread's own CPU at each (gloo copies into and out of its buffers there), and
 "broadcast" gloo's. One process also times a pass over fresh and over mapped memory (the
 sharded wrapper's packing). Meetings: what ranks that arrive at a collective from their own
 compute lose waiting for each other, beyond its time from a barrier (meeting.py). Two hosts:
@@ -97,7 +99,8 @@ def local_link(world_sizes: list[int] | None = None, refresh: bool = False) -> L
     cached = None if refresh else _cached("local")
     if cached is not None:
         link = LocalLink.from_dict(cached)
-        if link.wall_table and all(w in link.table["reduce"] for w in wanted):
+        measured = all(w in link.table["reduce"] for w in wanted)
+        if link.wall_table and link.caller_table and measured:
             return link
     link = calibrate(wanted)
     _store("local", link.as_dict())
@@ -176,6 +179,18 @@ def _busiest(ranks: list[dict[str, Any]], key: str) -> dict[str, list[tuple[int,
     return out
 
 
+def _busiest_callers(ranks: list[dict[str, Any]]) -> dict[str, list[tuple[int, float, float]]]:
+    """Per operation, (bytes, issue seconds, finish seconds) of the calling thread, each the
+    most any rank spent."""
+    out = {}
+    for op, points in ranks[0].get("caller", {}).items():
+        out[op] = [
+            (size, *(max(r["caller"][op][i][k] for r in ranks) for k in (1, 2)))
+            for i, (size, *_) in enumerate(points)
+        ]
+    return out
+
+
 def _slowest_meetings(ranks: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
     """Per operation, the (idle, busy) meeting seconds of the rank that lost most."""
     out = {}
@@ -190,6 +205,7 @@ def calibrate(world_sizes: list[int]) -> LocalLink:
     table: dict[str, dict[int, list[tuple[int, float]]]] = {}
     walls: dict[str, dict[int, list[tuple[int, float]]]] = {}
     meetings: dict[str, dict[int, tuple[float, float]]] = {}
+    callers: dict[str, dict[int, list[tuple[int, float, float]]]] = {}
     load = os.getloadavg()[0]
     for ws in world_sizes:
         per_rank = ddptrain.spawn(_measure_rank, ws, list(SIZES), timeout_s=900)
@@ -199,6 +215,8 @@ def calibrate(world_sizes: list[int]) -> LocalLink:
             walls.setdefault(op, {})[ws] = points
         for op, seconds in _slowest_meetings(per_rank).items():
             meetings.setdefault(op, {})[ws] = seconds
+        for op, split in _busiest_callers(per_rank).items():
+            callers.setdefault(op, {})[ws] = split
     fresh, mapped = ddptrain.spawn(_passes, 1, timeout_s=300)[0]
     source = (
         f"measured {time.strftime('%Y-%m-%d %H:%M')} on {machine_key()}, load before "
@@ -212,27 +230,36 @@ def calibrate(world_sizes: list[int]) -> LocalLink:
         pass_s_per_byte=mapped,
         wall_table=walls,
         meet_table=meetings,
+        caller_table=callers,
     )
 
 
-def _timed(fn: Any) -> tuple[float, float]:
-    """Median (wall, CPU) seconds of `fn`, CPU of every thread of the process."""
+def _timed(fn: Any) -> tuple[float, float, tuple[float, float] | None]:
+    """Median (wall, CPU, caller) seconds of `fn`, CPU of every thread of the process; caller:
+    the calling thread's CPU issuing and finishing the operation, where `fn` returns them."""
     fn()
     wall: list[float] = []
     cpu: list[float] = []
+    caller: list[tuple[float, float]] = []
     while True:
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
-        fn()
+        marks = fn()
         wall.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
+        if isinstance(marks, tuple):
+            caller.append(marks)
         more = len(wall) < REPEATS or (sum(wall) < TIMED_S and len(wall) < MAX_REPEATS)
         # Rank 0 decides for every rank: all must meet at as many barriers.
         decided = torch.tensor([more])
         dist.broadcast(decided, 0)
         if not decided.item():
             break
-    return statistics.median(wall), statistics.median(cpu)
+    split = None
+    if caller:
+        issue, finish = zip(*caller, strict=True)
+        split = (statistics.median(issue), statistics.median(finish))
+    return statistics.median(wall), statistics.median(cpu), split
 
 
 def _measure(sizes: list[int]) -> dict[str, Any]:
@@ -247,22 +274,25 @@ def _measure(sizes: list[int]) -> dict[str, Any]:
     tcp = Socket() if ws > 1 else None
     ops: dict[str, list[tuple[int, float]]] = {}
     walls: dict[str, list[tuple[int, float]]] = {}
+    callers: dict[str, list[tuple[int, float, float]]] = {}
     for nbytes in sizes:
         n = max(ws, nbytes // 4 // ws * ws)
         for op, fn in _operations(n, ws, shm, tcp).items():
-            wall, cpu_s = _timed(fn)
+            wall, cpu_s, caller = _timed(fn)
             ops.setdefault(op, []).append((n * 4, cpu_s))
             walls.setdefault(op, []).append((n * 4, wall))
+            if caller is not None:
+                callers.setdefault(op, []).append((n * 4, *caller))
     if ws == 1:
         ops["reduce"] = [(s, 0.0) for s, _ in ops["broadcast"]]
         ops["reduce_tcp"] = list(ops["reduce"])
-        return {"ops": ops, "wall": walls}
+        return {"ops": ops, "wall": walls, "caller": callers}
     n = max(ws, sizes[0] // 4 // ws * ws)
     meet = {
         op: measure_meeting(fn, walls[op][0][1], share=min(1.0, usable_cores() / ws))
         for op, fn in _operations(n, ws, shm, tcp, last=False).items()
     }
-    return {"ops": ops, "wall": walls, "meet": meet}
+    return {"ops": ops, "wall": walls, "caller": callers, "meet": meet}
 
 
 def _measure_rank(sizes: list[int]) -> dict[str, Any]:
@@ -278,10 +308,31 @@ def _operations(n: int, ws: int, shm: Any, tcp: Any, last: bool = True) -> dict[
     from ddptrain.ddp.hooks import GradBucket
     from ddptrain.fsdp.unit import all_gather_single, reduce_scatter_single
 
-    shard, whole, part = torch.ones(n // ws), torch.ones(n), torch.empty(n // ws)
-    runs = {
-        "all_gather": lambda: all_gather_single(torch.empty(n), shard),
-        "reduce_scatter": lambda: reduce_scatter_single(part, whole),
+    shard, whole = torch.ones(n // ws), torch.ones(n)
+
+    def gather() -> tuple[float, float]:
+        # As the sharded wrapper gathers a unit: into memory it just mapped, freed after use.
+        start = time.thread_time()
+        out = torch.empty(n)
+        work = all_gather_single(out, shard, async_op=True)
+        issued = time.thread_time()
+        work.wait()
+        del work, out  # the work holds the output too
+        return issued - start, time.thread_time() - issued
+
+    def reduce_scatter() -> tuple[float, float]:
+        # As the wrapper reduces a unit's gradients: into a fresh receive buffer.
+        start = time.thread_time()
+        part = torch.empty(n // ws)
+        work = reduce_scatter_single(part, whole, async_op=True)
+        issued = time.thread_time()
+        work.wait()
+        del work, part
+        return issued - start, time.thread_time() - issued
+
+    runs: dict[str, Any] = {
+        "all_gather": gather,
+        "reduce_scatter": reduce_scatter,
         "broadcast": lambda: dist.broadcast(whole, 0),
     }
     if shm is not None:

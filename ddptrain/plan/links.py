@@ -20,7 +20,9 @@ rank moves factor * S bytes: 2(n-1)/n for reduce, (n-1)/n for all_gather and red
   size; a world size not measured takes the nearest one's scaled by the ring factor. `cpu()`
   says which cores the ranks share. Its meetings: the seconds ranks arriving from their own
   compute lose waiting for each other, measured per operation and world size with the main
-  threads waiting and computing (calibrate.py).
+  threads waiting and computing (calibrate.py). Of gloo's all-gather and reduce-scatter, the
+  part spent on the thread that starts and waits for them is measured apart (`issue_s`,
+  `finish_s` of a Cost, within its `cpu_s`); a shaped link takes this machine's.
 - A shaped link between hosts (`ShapedLink`): the CPU a collective costs here (the TCP
   transport's for "reduce", gloo's for the rest), and factor * S / (rate * efficiency) + steps
   * latency on the wire; TCP/IP headers leave 1448 payload bytes of each 1514-byte frame. Its
@@ -54,6 +56,10 @@ class Cost:
     # Waiting for the peers to arrive: while the rank's main thread waits too, and computes.
     meet_s: float = 0.0
     meet_busy_s: float = 0.0
+    # Of cpu_s, what the thread that starts the collective spends starting it and waiting for
+    # it (gloo's copies into and out of its own buffers); the rest runs on gloo's threads.
+    issue_s: float = 0.0
+    finish_s: float = 0.0
 
 
 def ring_factor(op: str, world_size: int) -> float:
@@ -97,6 +103,20 @@ class LocalLink:
     # its wall time from a barrier: (main threads waiting too, main threads computing), per
     # operation and world size (calibrate.py); empty: none.
     meet_table: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    # The calling thread's CPU seconds starting and finishing gloo's all-gather and
+    # reduce-scatter: (bytes, issue, finish) per operation and world size; empty: none.
+    caller_table: dict[str, dict[int, list[tuple[int, float, float]]]] = field(default_factory=dict)
+
+    def caller_seconds(self, op: str, nbytes: int, world_size: int) -> tuple[float, float]:
+        """Measured (interpolated) seconds the calling thread spends starting `op` and
+        finishing it; a world size not measured takes the nearest one's."""
+        by_ws = self.caller_table.get(op)
+        if not by_ws:
+            return 0.0, 0.0
+        points = by_ws[min(by_ws, key=lambda w: (abs(w - world_size), -w))]
+        return tuple(  # type: ignore[return-value]
+            _interpolate([(p[0], p[k]) for p in points], nbytes) for k in (1, 2)
+        )
 
     def meeting_seconds(self, op: str, world_size: int) -> tuple[float, float]:
         """Measured seconds (main thread waiting, main thread computing) ranks lose meeting at
@@ -130,10 +150,11 @@ class LocalLink:
 
     def cost(self, op: str, nbytes: int, world_size: int) -> Cost:
         cpu = self.cpu_seconds(op, nbytes, world_size)
+        issue, finish = _within(cpu, self.caller_seconds(op, nbytes, world_size))
         if op not in self.wall_table or world_size <= 1:
-            return Cost(cpu_s=cpu)
+            return Cost(cpu_s=cpu, issue_s=issue, finish_s=finish)
         wall = self._lookup(self.wall_table, op, nbytes, world_size)
-        return Cost(cpu, wall, *self.meeting_seconds(op, world_size))
+        return Cost(cpu, wall, *self.meeting_seconds(op, world_size), issue, finish)
 
     def cpu(self, world_size: int) -> tuple[float, int] | None:
         """(cores, ranks sharing them)."""
@@ -153,6 +174,9 @@ class LocalLink:
             },
             "meet_table": {
                 op: {str(w): list(s) for w, s in t.items()} for op, t in self.meet_table.items()
+            },
+            "caller_table": {
+                op: {str(w): pts for w, pts in t.items()} for op, t in self.caller_table.items()
             },
         }
 
@@ -175,6 +199,7 @@ class LocalLink:
                 op: {int(w): (s[0], s[1]) for w, s in t.items()}
                 for op, t in d.get("meet_table", {}).items()
             },
+            caller_table=tables("caller_table"),  # type: ignore[arg-type]
         )
 
 
@@ -216,15 +241,17 @@ class ShapedLink:
         if meet is None:
             shared = self.shared_cores
             meet = self.local.meeting_seconds(local_op, world_size) if shared else (0.0, 0.0)
+        # The calling thread's copies are this machine's memory's, whatever the link.
+        caller = _within(cpu * scale, self.local.caller_seconds(local_op, nbytes, world_size))
         if local_op in self.wall_table:
             wire = _interpolate(self.wall_table[local_op], nbytes) * scale + hops
-            return Cost(cpu * scale, wire, *meet)
+            return Cost(cpu * scale, wire, *meet, *caller)
         rate = self.rate_bits_per_s / 8 * TCP_PAYLOAD_EFFICIENCY
         wire = (
             GLOO_EXCESS.get(op, 1.0) * ring_factor(op, world_size) * nbytes / rate
             + ring_steps(op, world_size) * self.latency_s
         )
-        return Cost(cpu * scale, wire, *meet)
+        return Cost(cpu * scale, wire, *meet, *caller)
 
     def cpu(self, world_size: int) -> tuple[float, int] | None:
         """(cores, ranks sharing them)."""
@@ -311,6 +338,16 @@ def shaped_link(rate: str, local: LocalLink, latency_s: float = 50e-6) -> Shaped
     return ShapedLink(
         rate_bits(rate), latency_s, local, name=rate, description=f"two hosts, tc tbf {rate}"
     )
+
+
+def _within(cpu: float, caller: tuple[float, float]) -> tuple[float, float]:
+    """The calling thread's (issue, finish) seconds, scaled down to fit in `cpu`, the whole
+    operation's CPU (two measurements of one operation: the parts can exceed the whole)."""
+    issue, finish = caller
+    if issue + finish <= cpu or issue + finish == 0:
+        return issue, finish
+    share = cpu / (issue + finish)
+    return issue * share, finish * share
 
 
 def _interpolate(points: list[tuple[int, float]], nbytes: int) -> float:

@@ -16,8 +16,11 @@ padded bytes, on the gather group's thread) is waited for when its forward start
 unit's started then (prefetch); with ZeRO-3 a unit is freed after its forward and gathered
 again before its backward (two ahead). A unit's backward ends when its last gradient is ready;
 then its gradients are packed (a pass into a fresh send buffer) and reduce-scattered on the
-reduce group's thread, one in flight at a time. The optimizer steps 1/n of the parameters.
-Allocations and frees of tensors ride along for the memory peak.
+reduce group's thread, one in flight at a time. Of each gather and reduce-scatter, the part
+gloo does on the calling thread (copies into and out of its own buffers, measured apart:
+calibrate.py) is the main thread's, when it starts the collective and when it waits for it.
+The optimizer steps 1/n of the parameters. Allocations and frees of tensors ride along for the
+memory peak.
 """
 
 from __future__ import annotations
@@ -137,21 +140,29 @@ class _Sharded:
         self.out: list[Op] = []
         self.gathers: dict[int, int] = {}  # unit -> gathers started
         self.gathered: set[int] = set()
+        self.finishing: dict[str, float] = {}  # job -> the main thread's seconds finishing it
 
-    def _job(self, name: str, op: str, nbytes: int) -> Job:
+    def _job(self, name: str, op: str, nbytes: int) -> tuple[Job, float, float]:
+        """The collective's job on its queue's thread, and the seconds the main thread spends
+        starting it and finishing it (gloo's copies on the calling thread)."""
         if self.tensors_only:
-            return Job(name)
-        return _job(name, self.link, op, nbytes, self.n)
+            return Job(name), 0.0, 0.0
+        c = self.link.cost(op, nbytes, self.n)
+        rest = max(0.0, c.cpu_s - c.issue_s - c.finish_s)
+        return Job(name, rest, c.wire_s, c.meet_s, c.meet_busy_s), c.issue_s, c.finish_s
 
     def start_gather(self, k: int) -> None:
         self.gathers[k] = self.gathers.get(k, 0) + 1
         full = self.sizes[k][0]
         name = f"gather {k}.{self.gathers[k]}"
-        self.out += [Alloc(full * (2 if self.staged else 1))]
-        self.out.append(Launch("gather", self._job(name, "all_gather", full)))
+        job, issue, finish = self._job(name, "all_gather", full)
+        self.finishing[name] = finish
+        self.out += [Alloc(full * (2 if self.staged else 1)), Compute(issue)]
+        self.out.append(Launch("gather", job))
 
     def wait_gather(self, k: int) -> None:
-        self.out.append(Wait(f"gather {k}.{self.gathers[k]}"))
+        name = f"gather {k}.{self.gathers[k]}"
+        self.out += [Wait(name), Compute(self.finishing.pop(name))]
         if self.staged:
             self.out.append(Free(self.sizes[k][0]))
         self.gathered.add(k)
@@ -214,7 +225,8 @@ class _Sharded:
             out.append(Free(self.activations(k)))
             if self.staged:
                 out.append(Alloc(whole))
-            out.append(Launch("reduce", self._job(f"reduce {k}", "reduce_scatter", whole)))
+            job, issue, self.finishing[job.name] = self._job(f"reduce {k}", "reduce_scatter", whole)
+            out += [Compute(issue), Launch("reduce", job)]
             in_flight = k
         out += self.finish(in_flight)
         out.append(Compute(p.optimizer_s / self.n))
@@ -223,7 +235,8 @@ class _Sharded:
     def finish(self, k: int) -> list[Op]:
         """Wait for unit k's reduce-scatter; its send (and staging) buffer goes."""
         whole = self.sizes[k][0]
-        return [Wait(f"reduce {k}"), Free(whole * (2 if self.staged else 1))]
+        finish = self.finishing.pop(f"reduce {k}")
+        return [Wait(f"reduce {k}"), Compute(finish), Free(whole * (2 if self.staged else 1))]
 
 
 def sharded_start_bytes(profile: Profile, world_size: int, state_bytes: int) -> int:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 import ddptrain
-from ddptrain.plan.links import BusLink, LocalLink, ShapedLink, ring_factor, ring_steps
+from ddptrain.plan.links import BusLink, Cost, LocalLink, ShapedLink, ring_factor, ring_steps
 from ddptrain.plan.predict import step_seconds, straggle_s
+from ddptrain.plan.profile import Profile
 from ddptrain.plan.setup import Setup
-from ddptrain.plan.steps import ddp_ops
+from ddptrain.plan.steps import ddp_ops, sharded_ops
 from ddptrain.plan.timeline import Alloc, Compute, Free, Job, Launch, Wait, simulate
 from support.plan_profiles import MIB, bus, ddp_profile, local, meeting_of_a_sleep
 
@@ -178,3 +179,63 @@ def test_calibrated_meeting_is_the_operations_time_beyond_compute():
     idle, busy = ddptrain.spawn(meeting_of_a_sleep, 1, 0.008, 0.002, timeout_s=120)[0]
     assert 0.0019 <= busy <= 0.006
     assert 0.0019 <= idle <= 0.006
+
+
+def _two_unit_profile() -> Profile:
+    """A root unit holding "a" around a unit holding "b": forward 10 ms (b's 2-8 ms), backward
+    20 ms (b's gradient ready at 10 ms), optimizer 2 ms."""
+    return ddp_profile(
+        buckets=[],
+        bucket_ready_s=[],
+        hook_s=[],
+        ready_s=[0.018, 0.010],
+        units=[[0], [1]],
+        unit_forward_s=[[0.0, 0.010], [0.002, 0.008]],
+    )
+
+
+def _reduce_scatter_link(issue_s: float, finish_s: float) -> LocalLink:
+    """Two cores a rank; gathers free; a reduce-scatter 6 ms of CPU, `issue_s` and `finish_s`
+    of it on the calling thread."""
+    free = local(0.0, cores=4.0)
+    table = dict(free.table, reduce_scatter={2: [(0, 0.006), (64 * MIB, 0.006)]})
+    caller = {"reduce_scatter": {2: [(0, issue_s, finish_s), (64 * MIB, issue_s, finish_s)]}}
+    return LocalLink(table, 4.0, wall_table=free.wall_table, caller_table=caller)
+
+
+@pytest.mark.parametrize(
+    ("issue_s", "finish_s", "end_s"),
+    [
+        # All 6 ms on gloo's thread: b's hides under the root's 10 ms of backward, a's is
+        # waited for: 10 + 20 + 6 + 1 (the optimizer on half the parameters).
+        (0.0, 0.0, 0.037),
+        # 2 ms to start and 1 ms to finish each on the main thread, 3 on gloo's: 10 + 10 + 2
+        # (b's start) + 10 + 1 (b's finish) + 2 (a's start) + 3 (its wait) + 1 + 1 = 40 ms.
+        (0.002, 0.001, 0.040),
+    ],
+)
+def test_a_reduce_scatters_calling_thread_share_is_the_main_threads(issue_s, finish_s, end_s):
+    """What gloo does on the thread that starts a reduce-scatter and waits for it is charged to
+    the main thread, in a ZeRO-3 step of two units worked by hand."""
+    ops = sharded_ops(_two_unit_profile(), _reduce_scatter_link(issue_s, finish_s), 2, True)
+    assert simulate(ops, 4.0, 2).end_s == pytest.approx(end_s, abs=1e-9)
+
+
+def _caller(cost: Cost) -> tuple[float, float]:
+    return cost.issue_s, cost.finish_s
+
+
+def test_the_calling_threads_share_is_measured_here_and_fits_in_the_whole():
+    """A local link's calling-thread seconds come from the nearest world size measured and
+    survive its cache's round trip; parts measured above the whole are scaled into it; a shaped
+    link takes this machine's, as the copies are local memory's."""
+    link = _reduce_scatter_link(0.002, 0.001)
+    assert _caller(link.cost("reduce_scatter", MIB, 3)) == pytest.approx((0.002, 0.001))
+    assert LocalLink.from_dict(link.as_dict()).caller_table == link.caller_table
+    assert _caller(link.cost("all_gather", MIB, 2)) == (0.0, 0.0)
+    over = _reduce_scatter_link(0.006, 0.006)
+    assert _caller(over.cost("reduce_scatter", MIB, 2)) == pytest.approx((0.003, 0.003))
+    cpu = {"reduce_scatter": [(0, 0.012), (MIB, 0.012)]}
+    for wall in ({}, {"reduce_scatter": [(0, 0.02), (MIB, 0.02)]}):
+        shaped = ShapedLink(1e9, 0.0, link, cpu_table=cpu, wall_table=wall)
+        assert _caller(shaped.cost("reduce_scatter", MIB, 2)) == pytest.approx((0.002, 0.001))
