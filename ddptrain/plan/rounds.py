@@ -2,16 +2,25 @@
 
     profiles = profile_in_rounds([setup_ddp, setup_zero1], rounds=2)   # a Profile per setup
     merge([pass_1, pass_2])                                            # one Profile of both
+    pool_shared_compute(profiles)       # the DDP wrapper's strategies share their compute
 
 A guest's CPU runs slower for seconds at a time. One profile can sit inside such a spell and
 its strategy then looks slower than the others (a GPT's PowerSGD profile, 8 steps of 0.4-0.6 s,
 once came out 1.3-1.4x its runs). Profiled in turns, the strategies share the spells, as the
 check's runs do in its rounds (check.combine); a strategy's passes are merged, the mean of
 their medians.
+
+Strategies that run one forward and backward, the DDP wrapper's (ddp, zero1, powersgd) on one
+model, batch, precision, optimizer and device, then share it: each takes the mean of their
+forward, backward and bucket-ready times, keeping its own hooks' and optimizer's. Profiled
+minutes apart they differ by the machine's spells alone (LeNet's three once spread 15.0-17.7
+ms a step), and that difference decided between strategies the runs measured within a few
+percent of each other.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 from ddptrain.plan.profile import Profile, profile
@@ -30,7 +39,7 @@ def profile_in_rounds(
     passes: list[list[Profile]] = [[] for _ in setups]
     for i in turns(len(setups), rounds):
         passes[i].append(run(setups[i]))
-    return [merge(p) for p in passes]
+    return pool_shared_compute([merge(p) for p in passes])
 
 
 def turns(count: int, rounds: int) -> Iterator[int]:
@@ -70,3 +79,44 @@ def _mean_rows(rows: list[list[float]]) -> list[float]:
 
 def _columns(passes: list[Profile], name: str) -> list[tuple[list[float], ...]]:
     return list(zip(*(getattr(p, name) for p in passes), strict=True))
+
+
+# Strategies whose step at world size 1 is the DDP wrapper's forward and backward.
+SHARED_COMPUTE = ("ddp", "zero1", "powersgd")
+
+
+def pool_shared_compute(profiles: list[Profile]) -> list[Profile]:
+    """The profiles, those of strategies that share one forward and backward (SHARED_COMPUTE,
+    the rest of the setup equal) given the mean of theirs (module docstring); PowerSGD's last
+    hook, run on the training thread at the end of backward, stays its own."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(profiles):
+        if p.setup.get("strategy") in SHARED_COMPUTE:
+            rest = {k: v for k, v in p.setup.items() if k not in ("strategy", "powersgd_rank")}
+            groups.setdefault(tuple(sorted(rest.items())), []).append(i)
+    out = list(profiles)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        group = [profiles[i] for i in members]
+        forward = _mean([p.forward_s for p in group])
+        backward = _mean([p.backward_s - _own_backward_s(p) for p in group])
+        same_buckets = all(p.buckets == group[0].buckets for p in group)
+        ready = _mean_rows([p.bucket_ready_s for p in group]) if same_buckets else None
+        for i, p in zip(members, group, strict=True):
+            new_backward = backward + _own_backward_s(p)
+            delta = forward + new_backward - p.forward_s - p.backward_s
+            out[i] = dataclasses.replace(
+                p,
+                forward_s=forward,
+                backward_s=new_backward,
+                step_s=p.step_s + delta,
+                wall_step_s=p.wall_step_s + delta,
+                bucket_ready_s=p.bucket_ready_s if ready is None else list(ready),
+            )
+    return out
+
+
+def _own_backward_s(p: Profile) -> float:
+    """What of a profile's backward is its strategy's own: PowerSGD's last hook."""
+    return p.hook_s[-1] if p.setup.get("strategy") == "powersgd" and p.hook_s else 0.0

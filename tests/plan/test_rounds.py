@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import ddptrain.plan
-from ddptrain.plan.rounds import merge, profile_in_rounds
+from ddptrain.plan.rounds import merge, pool_shared_compute, profile_in_rounds
 from ddptrain.plan.setup import Setup
 from support.plan_profiles import ddp_profile
 
@@ -83,3 +83,38 @@ def test_plan_profiles_each_strategy_once_a_round_and_reuses_given_profiles(monk
     assert len(result.predictions) == 3
     with pytest.raises(ValueError, match="profile_rounds: at least 1, got 0"):
         ddptrain.plan.plan("lenet", link="nccl-100g", profile_rounds=0, device="cpu")
+
+
+def _of(strategy: str, model: str = "lenet", **times: object):
+    return ddp_profile(setup=Setup(model=model, strategy=strategy).as_dict(), **times)
+
+
+def test_the_ddp_wrappers_strategies_share_one_forward_and_backward():
+    """DDP, ZeRO-1 and PowerSGD of one model take the mean of their forward, backward and
+    bucket-ready times, PowerSGD keeping its last hook (4 ms) and each its optimizer; ZeRO-3 and
+    another model's DDP are left alone."""
+    ddp = _of("ddp", forward_s=0.010, backward_s=0.020, bucket_ready_s=[0.004, 0.014])
+    zero1 = _of("zero1", forward_s=0.013, backward_s=0.026, bucket_ready_s=[0.006, 0.018],
+                optimizer_s=0.003, step_s=0.042)  # fmt: skip
+    powersgd = _of("powersgd", forward_s=0.010, backward_s=0.030, hook_s=[0.001, 0.004],
+                   bucket_ready_s=[0.005, 0.016], step_s=0.042)  # fmt: skip
+    zero3 = _of("zero3", forward_s=0.020)
+    other = _of("ddp", model="mlp", forward_s=0.050)
+    pooled = pool_shared_compute([ddp, zero1, powersgd, zero3, other])
+    assert [p.forward_s for p in pooled[:3]] == pytest.approx([0.011] * 3)
+    # Backward less PowerSGD's last hook: 20, 26 and 26 ms, a mean of 24.
+    assert [p.backward_s for p in pooled[:3]] == pytest.approx([0.024, 0.024, 0.028])
+    assert [p.bucket_ready_s for p in pooled[:3]] == [pytest.approx([0.005, 0.016])] * 3
+    assert [p.optimizer_s for p in pooled[:3]] == [0.002, 0.003, 0.002]
+    # Each step moves by its own forward and backward's change: +5, -4 and -1 ms.
+    assert [p.step_s for p in pooled[:3]] == pytest.approx([0.037, 0.038, 0.041])
+    assert pooled[3] is zero3 and pooled[4] is other
+    assert ddp.forward_s == 0.010  # the profiles given are left as they were
+
+
+def test_strategies_bucketed_differently_keep_their_bucket_times():
+    """Where the buckets differ, forward and backward are pooled, bucket-ready times not."""
+    ddp = _of("ddp", bucket_ready_s=[0.004, 0.014])
+    zero1 = _of("zero1", buckets=[[0, 1]], bucket_ready_s=[0.016])
+    pooled = pool_shared_compute([ddp, zero1])
+    assert [p.bucket_ready_s for p in pooled] == [[0.004, 0.014], [0.016]]
