@@ -3,8 +3,8 @@
     prof = profile(setup)                                   # one process, a few steps
     pred = predict(setup, prof, local_link(), [1, 2, 4])    # a Prediction per world size
     pred.points[2].step_s, pred.points[2].peak_bytes
-    pick([pred_ddp, pred_zero1, ...], world_size=4)         # the fastest that fits
-    close_to_pick([pred_ddp, pred_zero1, ...], 4)           # others within NEAR (5%) of it
+    pick([pred_ddp, pred_zero1, ...], world_size=4)         # the simplest of the fastest that fit
+    close_to_pick([pred_ddp, pred_zero1, ...], 4)           # the others within NEAR (5%)
 
 Step time: the rank's operations (steps.py) simulated with its CPU shared among its threads
 (timeline.py), plus the wait for the slowest rank: a step ends when every rank's does, and one
@@ -12,7 +12,10 @@ rank's steps vary (the profile's samples), so n ranks wait for the expected slow
 (`straggle_s`). The simulation with every communication free is the floor, and the
 difference the exposed communication. Samples/s: world_size * per-rank batch / step. Scaling
 efficiency: the one-rank step (the fastest strategy's at world size 1) over this step: 1.0 is
-linear.
+linear. The pick: of the strategies that fit, those predicted within NEAR (5%) of the fastest
+are ties (one run on a shared machine cannot tell them apart, nor can the profiles), and the
+simplest of them is picked, in STRATEGIES' order: DDP, then ZeRO-1, 2 and 3 (more collectives
+a step), then PowerSGD (lossy: it changes what the model learns).
 
 Peak RSS per rank, with glibc returning freed blocks (what --check sets): the DDP strategies'
 measured peak at world size 1 plus what changes with the world size: the pages of the other
@@ -34,13 +37,14 @@ NCCL needs no staging copies.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ddptrain.plan import memory
 from ddptrain.plan.links import Link, LocalLink, ShapedLink
 from ddptrain.plan.profile import SHARDED, Profile
-from ddptrain.plan.setup import Setup
+from ddptrain.plan.setup import STRATEGIES, Setup
 from ddptrain.plan.steps import (
     bucket_bytes,
     ddp_ops,
@@ -204,24 +208,44 @@ def _fitting(predictions: list[Prediction], world_size: int) -> list[Prediction]
 
 
 def pick(predictions: list[Prediction], world_size: int) -> Prediction | None:
-    """The fastest strategy at `world_size` among those that fit (fits None counts as fitting)."""
-    fitting = _fitting(predictions, world_size)
-    return min(fitting, key=lambda pred: pred.at(world_size).step_s, default=None)
+    """The strategy to run at `world_size`: of those that fit (fits None counts as fitting),
+    the simplest predicted within NEAR of the fastest (module docstring)."""
+    return simplest_near(
+        _fitting(predictions, world_size),
+        lambda pred: pred.at(world_size).step_s,
+        lambda pred: pred.setup["strategy"],
+    )
+
+
+T = TypeVar("T")
+
+
+def simplest_near(
+    candidates: list[T],
+    step_s: Callable[[T], float],
+    strategy: Callable[[T], str],
+    margin: float = NEAR,
+) -> T | None:
+    """Of `candidates`, those whose step is within `margin` of the fastest, the first in
+    STRATEGIES' order (the faster of two of one strategy); None if there are none."""
+    if not candidates:
+        return None
+    limit = min(step_s(c) for c in candidates) * (1.0 + margin)
+    near = [c for c in candidates if step_s(c) <= limit]
+    return min(near, key=lambda c: (STRATEGIES.index(strategy(c)), step_s(c)))
 
 
 def close_to_pick(
     predictions: list[Prediction], world_size: int, margin: float = NEAR
 ) -> list[Prediction]:
-    """The other fitting strategies predicted at most `margin` slower than the pick."""
+    """The other fitting strategies predicted within `margin` of the fastest: those the pick
+    was made among."""
     chosen = pick(predictions, world_size)
     if chosen is None:
         return []
-    limit = chosen.at(world_size).step_s * (1.0 + margin)
-    return [
-        pred
-        for pred in _fitting(predictions, world_size)
-        if pred is not chosen and pred.at(world_size).step_s <= limit
-    ]
+    fitting = _fitting(predictions, world_size)
+    limit = min(pred.at(world_size).step_s for pred in fitting) * (1.0 + margin)
+    return [pred for pred in fitting if pred is not chosen and pred.at(world_size).step_s <= limit]
 
 
 def largest_efficient(

@@ -4,7 +4,7 @@ print(format_table(predictions))            # per strategy and world size
 print(format_choice(predictions, [1, 2, 4])) # the largest efficient world size, its strategy
 print(text_chart(predictions))              # step time and memory against world size, as bars
 print(format_check(rows))                   # predicted, measured, ratio
-print(format_picks(rows))                   # predicted fastest against measured fastest
+print(format_picks(rows))                   # the plan's pick against the measured fastest
 plot(predictions, rows, Path("plan.png"))   # step time and memory against world size
 """
 
@@ -13,7 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ddptrain.plan.predict import NEAR, Prediction, close_to_pick, largest_efficient, pick
+from ddptrain.plan.predict import (
+    NEAR,
+    Prediction,
+    close_to_pick,
+    largest_efficient,
+    pick,
+    simplest_near,
+)
 from ddptrain.plot._mpl import MissingMatplotlib, pyplot
 
 MIB = 2**20
@@ -61,7 +68,8 @@ def format_choice(predictions: list[Prediction], world_sizes: list[int]) -> str:
             f"largest world size keeping scaling efficiency >= 80%: {n}, with {_strategy(chosen)} "
             f"(efficiency {eff:.2f})"
         )
-    return f"fastest that fits, per world size: {', '.join(picks)}\n{verdict}"
+    head = f"picked (the simplest within {NEAR:.0%} of the fastest that fit)"
+    return f"{head}: {', '.join(picks)}\n{verdict}"
 
 
 def text_chart(predictions: list[Prediction], width: int = 40) -> str:
@@ -109,14 +117,16 @@ def format_check(rows: list[dict[str, Any]]) -> str:
 
 
 def format_picks(rows: list[dict[str, Any]]) -> str:
-    """Per model, link and world size run: the strategy predicted fastest against the one
-    measured fastest, among the strategies --check ran."""
+    """Per model, link and world size run: the strategy the plan picks (predict.pick's rule)
+    against the one measured fastest, among the strategies --check ran."""
     groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault((r["setup"]["model"], r["link"], r["world_size"]), []).append(r)
     lines, agree, close = [], 0, 0
     for (model, link, n), group in groups.items():
-        predicted = min(group, key=lambda r: r["predicted_step_s"])
+        predicted = simplest_near(
+            group, lambda r: r["predicted_step_s"], lambda r: r["setup"]["strategy"]
+        )
         measured = min(group, key=lambda r: r["measured_step_s"])
         same = predicted is measured
         agree += same

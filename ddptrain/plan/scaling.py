@@ -251,9 +251,9 @@ def render() -> str:
             f"{spec.batch_size}\n\n{spec.note}. One rank: forward {1e3 * prof.forward_s:.3f} ms, "
             f"backward {1e3 * prof.backward_s:.3f} ms, optimizer {1e3 * prof.optimizer_s:.3f} "
             f"ms; {len(prof.buckets)} buckets of gradients ({4 * spec.numel / 2**20:.0f} MiB).\n"
-            f"DDP, and the fastest strategy that fits in 80 GiB at each world size (of "
-            f"{', '.join(STRATEGIES)}; PowerSGD at rank 4, which changes the gradients: "
-            f"picked for speed alone):\n\n{text}\n\n"
+            f"DDP, and the strategy picked at each world size: of those that fit in 80 GiB "
+            f"({', '.join(STRATEGIES)}; PowerSGD at rank 4, which changes the gradients), the "
+            f"first in that order predicted within 5% of the fastest:\n\n{text}\n\n"
             f"Largest world size keeping scaling efficiency >= 80%: {'; '.join(verdicts)}.\n"
         )
     parts.append(PAGE_TAIL)
