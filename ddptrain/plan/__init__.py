@@ -28,12 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddptrain.netns import HostsUnavailable
-from ddptrain.plan.calibrate import (
-    background_threads,
-    local_link,
-    measured_shaped_link,
-    usable_cores,
-)
+from ddptrain.plan.calibrate import local_link, measured_shaped_link
 from ddptrain.plan.links import (
     NAMED,
     BusLink,
@@ -43,6 +38,7 @@ from ddptrain.plan.links import (
     named_link,
     shaped_link,
 )
+from ddptrain.plan.load import background_threads, usable_cores
 from ddptrain.plan.predict import (
     Prediction,
     close_to_pick,

@@ -2,7 +2,6 @@
 
     link = local_link([1, 2, 3, 4])     # one host: cached in ~/.cache/ddptrain, else measured
     link = measured_shaped_link("1gbit")  # two network namespaces joined by a shaped veth (root)
-    busy = background_threads()         # other programs' busy threads on the cores, now
 
 One host: each world size gets one spawned world that times, from a barrier, every operation at
 every size (the median of REPEATS, or of as many as fill TIMED_S, up to MAX_REPEATS; the CPU
@@ -41,6 +40,7 @@ import ddptrain
 from ddptrain.bench import link as bench_link
 from ddptrain.bench.memory import return_freed_memory
 from ddptrain.plan.links import LocalLink, ShapedLink, rate_bits
+from ddptrain.plan.load import usable_cores
 from ddptrain.plan.meeting import measure_meeting
 
 SIZES = (4 << 10, 256 << 10, 2 << 20, 8 << 20, 32 << 20)
@@ -65,14 +65,6 @@ def machine_key() -> str:
     except OSError:
         pass
     return f"{socket.gethostname()}|{model}|{usable_cores()}|{torch.__version__}"
-
-
-def usable_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def _cached(name: str) -> dict[str, Any] | None:
@@ -362,39 +354,6 @@ def _cpu_median(fn: Any) -> float:
         fn()
         times.append(time.thread_time() - start)
     return statistics.median(times)
-
-
-def background_threads(seconds: float = 0.2, samples: int = 3) -> float:
-    """Busy threads of other programs on this machine's cores, now: as many spinning processes
-    as cores each get a share s of a core; C / s - C threads compete with them (CFS shares the
-    cores equally among runnable threads). The median of `samples`: one sample can catch a
-    process exiting or the hypervisor taking the vCPU."""
-    return statistics.median(_busy_threads(seconds) for _ in range(samples))
-
-
-def _busy_threads(seconds: float) -> float:
-    cores = usable_cores()
-    pipes = []
-    for _ in range(cores):
-        read, write = os.pipe()
-        if os.fork() == 0:
-            os.close(read)
-            start, start_cpu = time.perf_counter(), time.process_time()
-            while time.perf_counter() - start < seconds:
-                pass
-            share = (time.process_time() - start_cpu) / (time.perf_counter() - start)
-            os.write(write, f"{share}".encode())
-            os._exit(0)
-        os.close(write)
-        pipes.append(read)
-    shares = []
-    for read in pipes:
-        shares.append(float(os.read(read, 64).decode() or 1.0))
-        os.close(read)
-    for _ in pipes:
-        os.wait()
-    share = min(1.0, statistics.fmean(shares))
-    return max(0.0, cores / share - cores) if share > 0 else 0.0
 
 
 def main(argv: list[str] | None = None) -> None:

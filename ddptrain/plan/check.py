@@ -35,7 +35,7 @@ from ddptrain.bench import link as bench_link
 from ddptrain.bench.hosts import RunFailed, run_launchers, terminate_as_exit
 from ddptrain.launch.spawn import WorkerError
 from ddptrain.netns import torchrun, two_hosts
-from ddptrain.plan.calibrate import background_threads
+from ddptrain.plan.load import background_threads
 from ddptrain.plan.predict import Point
 from ddptrain.plan.profile import start_method
 from ddptrain.plan.run import Steps, run_rank

@@ -175,7 +175,7 @@ def predict(
     background: float = 0.0,
 ) -> Prediction:
     """Step time and peak memory at each world size (module docstring); `background`: busy
-    threads of other programs sharing the cores (calibrate.background_threads)."""
+    threads of other programs sharing the cores (load.background_threads)."""
     batch = setup.workload.batch_size
     out = Prediction(setup.as_dict(), getattr(link, "name", "link"))
     for n in world_sizes:
