@@ -9,7 +9,8 @@ its parameters', in launch order), the bucket's reduction launched on the commun
 there; after the last, the rest of backward once every bucket is reduced; the optimizer step
 (ZeRO-1: on 1/n of the parameters, then its broadcasts, one after another, as
 optim/broadcast.py plans them). A bucket's reduction is the link's "reduce" of its bytes, or
-for PowerSGD the hook's own measured seconds, then its two messages, one after the other.
+for PowerSGD the hook's own measured seconds plus its two messages, which it sends after it
+computes: the bucket lasts at least the hook's CPU and then the messages' time.
 
 Sharded strategies, from the plain model's profile: each unit's gather ("all_gather" of its
 padded bytes, on the gather group's thread) is waited for when its forward starts, the next
@@ -56,32 +57,33 @@ def ddp_ops(
     for t in profile.bucket_ready_s:
         launch_at = max(launch_at, t)
         ready.append(launch_at)
-    # Per bucket, its jobs on the communication thread, one after another.
-    jobs: list[list[Job]] = []
+    jobs = []
     for b, members in enumerate(profile.buckets):
         if strategy == "powersgd":
             shapes = [profile.param_shapes[i] for i in members]
             p_bytes, q_bytes = powersgd_messages(shapes, powersgd_rank, profile.element_bytes)
+            p, q = (
+                link.cost("reduce", p_bytes, world_size),
+                link.cost("reduce", q_bytes, world_size),
+            )
             hook = profile.hook_s[b] if b < len(profile.hook_s) else 0.0
-            # The hook computes, then sends P and Q in turn: its CPU does not overlap them.
-            jobs.append([
-                Job(f"bucket {b} hook", hook),
-                _job(f"bucket {b} P", link, "reduce", p_bytes, world_size),
-                _job(f"bucket {b}", link, "reduce", q_bytes, world_size),
-            ])  # fmt: skip
+            # The hook computes before it sends P, and P's sum before Q: the bucket lasts at
+            # least the hook's CPU and then the two messages' time, whatever the CPU is shared.
+            cpu, wire = hook + p.cpu_s + q.cpu_s, hook + p.wire_s + q.wire_s
+            meet, busy = p.meet_s + q.meet_s, p.meet_busy_s + q.meet_busy_s
+            jobs.append(Job(f"bucket {b}", cpu, wire, meet, busy))
         else:
             nbytes = sum(profile.param_numels[i] for i in members) * profile.element_bytes
-            jobs.append([_job(f"bucket {b}", link, "reduce", nbytes, world_size)])
+            jobs.append(_job(f"bucket {b}", link, "reduce", nbytes, world_size))
     at = 0.0
-    for bucket_jobs, t in zip(jobs, ready, strict=True):
-        ops.append(Compute(t - at))
-        ops += [Launch("comm", job) for job in bucket_jobs]
+    for job, t in zip(jobs, ready, strict=True):
+        ops += [Compute(t - at), Launch("comm", job)]
         at = t
     # At world size 1 the last bucket's hook ran on this thread at the end of backward: it is
     # a job now.
     last_hook = profile.hook_s[-1] if strategy == "powersgd" and profile.hook_s else 0.0
     if jobs:
-        ops.append(Wait(jobs[-1][-1].name))
+        ops.append(Wait(jobs[-1].name))
     ops.append(Compute(max(0.0, profile.backward_s - at - last_hook)))
     if strategy != "zero1":
         return [*ops, Compute(profile.optimizer_s)]
