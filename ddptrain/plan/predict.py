@@ -228,11 +228,16 @@ def simplest_near(
 ) -> T | None:
     """Of `candidates`, those whose step is within `margin` of the fastest, the first in
     STRATEGIES' order (the faster of two of one strategy); None if there are none."""
+    near = _near(candidates, step_s, margin)
+    return min(near, key=lambda c: (STRATEGIES.index(strategy(c)), step_s(c)), default=None)
+
+
+def _near(candidates: list[T], step_s: Callable[[T], float], margin: float) -> list[T]:
+    """The candidates whose step is within `margin` of the fastest's."""
     if not candidates:
-        return None
+        return []
     limit = min(step_s(c) for c in candidates) * (1.0 + margin)
-    near = [c for c in candidates if step_s(c) <= limit]
-    return min(near, key=lambda c: (STRATEGIES.index(strategy(c)), step_s(c)))
+    return [c for c in candidates if step_s(c) <= limit]
 
 
 def close_to_pick(
@@ -243,9 +248,8 @@ def close_to_pick(
     chosen = pick(predictions, world_size)
     if chosen is None:
         return []
-    fitting = _fitting(predictions, world_size)
-    limit = min(pred.at(world_size).step_s for pred in fitting) * (1.0 + margin)
-    return [pred for pred in fitting if pred is not chosen and pred.at(world_size).step_s <= limit]
+    near = _near(_fitting(predictions, world_size), lambda p: p.at(world_size).step_s, margin)
+    return [pred for pred in near if pred is not chosen]
 
 
 def largest_efficient(
