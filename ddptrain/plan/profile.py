@@ -106,6 +106,11 @@ class Profile:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def hook_in_backward_s(self, strategy: str) -> float:
+        """Of backward_s, the comm hook's own seconds: PowerSGD's last bucket's hook, which at
+        world size 1 runs on the training thread at the end of backward."""
+        return self.hook_s[-1] if strategy == "powersgd" and self.hook_s else 0.0
+
 
 def profile(setup: Setup, timeout_s: float = 600.0, min_timed_s: float = MIN_TIMED_S) -> Profile:
     """Profile `setup` in a fresh process (a world of one) on the setup's device, timing

@@ -100,11 +100,11 @@ def pool_shared_compute(profiles: list[Profile]) -> list[Profile]:
             continue
         group = [profiles[i] for i in members]
         forward = _mean([p.forward_s for p in group])
-        backward = _mean([p.backward_s - _own_backward_s(p) for p in group])
+        backward = _mean([p.backward_s - _own(p) for p in group])
         same_buckets = all(p.buckets == group[0].buckets for p in group)
         ready = _mean_rows([p.bucket_ready_s for p in group]) if same_buckets else None
         for i, p in zip(members, group, strict=True):
-            new_backward = backward + _own_backward_s(p)
+            new_backward = backward + _own(p)
             delta = forward + new_backward - p.forward_s - p.backward_s
             out[i] = dataclasses.replace(
                 p,
@@ -117,6 +117,6 @@ def pool_shared_compute(profiles: list[Profile]) -> list[Profile]:
     return out
 
 
-def _own_backward_s(p: Profile) -> float:
-    """What of a profile's backward is its strategy's own: PowerSGD's last hook."""
-    return p.hook_s[-1] if p.setup.get("strategy") == "powersgd" and p.hook_s else 0.0
+def _own(p: Profile) -> float:
+    """What of a profile's backward is its strategy's own (PowerSGD's last hook)."""
+    return p.hook_in_backward_s(p.setup.get("strategy", ""))

@@ -79,12 +79,11 @@ def ddp_ops(
     for job, t in zip(jobs, ready, strict=True):
         ops += [Compute(t - at), Launch("comm", job)]
         at = t
-    # At world size 1 the last bucket's hook ran on this thread at the end of backward: it is
-    # a job now.
-    last_hook = profile.hook_s[-1] if strategy == "powersgd" and profile.hook_s else 0.0
     if jobs:
         ops.append(Wait(jobs[-1].name))
-    ops.append(Compute(max(0.0, profile.backward_s - at - last_hook)))
+    # The hook that ran on this thread at world size 1 is the last bucket's job now.
+    rest = profile.backward_s - at - profile.hook_in_backward_s(strategy)
+    ops.append(Compute(max(0.0, rest)))
     if strategy != "zero1":
         return [*ops, Compute(profile.optimizer_s)]
     ops.append(Compute(profile.optimizer_s / world_size))
