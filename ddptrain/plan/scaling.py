@@ -26,7 +26,14 @@ import torch
 
 from ddptrain.ddp.buckets import assign_buckets
 from ddptrain.plan.links import NAMED, named_link
-from ddptrain.plan.predict import Prediction, largest_efficient, pick, predict, set_efficiency
+from ddptrain.plan.predict import (
+    NEAR,
+    Prediction,
+    largest_efficient,
+    pick,
+    predict,
+    set_efficiency,
+)
 from ddptrain.plan.profile import Profile
 from ddptrain.plan.steps import plain_memory_ops
 from ddptrain.plan.timeline import simulate
@@ -253,7 +260,7 @@ def render() -> str:
             f"ms; {len(prof.buckets)} buckets of gradients ({4 * spec.numel / 2**20:.0f} MiB).\n"
             f"DDP, and the strategy picked at each world size: of those that fit in 80 GiB "
             f"({', '.join(STRATEGIES)}; PowerSGD at rank 4, which changes the gradients), the "
-            f"first in that order predicted within 5% of the fastest:\n\n{text}\n\n"
+            f"first in that order predicted within {NEAR:.0%} of the fastest:\n\n{text}\n\n"
             f"Largest world size keeping scaling efficiency >= 80%: {'; '.join(verdicts)}.\n"
         )
     parts.append(PAGE_TAIL)
