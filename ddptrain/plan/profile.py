@@ -13,8 +13,9 @@ the wrapper's own work (filling buckets, the PowerSGD hook's compression, timed 
 in the times; what a world of one does not do, sending, the plan adds from the link. The
 sharded strategies run the plain model, with a forward pre-hook and hook on each unit the
 sharded wrapper would make (fsdp/layout.py's choose_units): their gathers and copies are the
-plan's to add. Marks: the comm hook, wrapped, notes when each bucket reaches it (DDP
-strategies); a hook after each parameter's gradient is accumulated (sharded).
+plan's to add; on CUDA the wrapper's whole step is timed too (`wrapper_step_s`). Marks: the
+comm hook, wrapped, notes when each bucket reaches it (DDP strategies); a hook after each
+parameter's gradient is accumulated (sharded).
 
 What a second and a byte are depends on the setup's device (meter.py). CPU: CPU seconds of the
 thread that runs the step (autograd runs a CPU backward on it), so other programs' load
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -98,6 +100,11 @@ class Profile:
     device: str = "cpu"  # what the seconds and bytes are of (the module docstring)
     timed_steps: int = 0  # the medians are over this many steps
     step_samples_s: list[float] = field(default_factory=list)  # each timed step's seconds
+    # Sharded strategies on CUDA: the sharded wrapper's own step at world size 1 (median); its
+    # excess over step_s is the wrapper's host work, which the plan charges (steps.py). 0: not
+    # measured (CPU ranks: the local link's measured collectives hold gloo's copies, most of
+    # the wrapper's work there; a GPU link charges bandwidth alone).
+    wrapper_step_s: float = 0.0
 
     @property
     def param_bytes(self) -> int:
@@ -180,11 +187,7 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
     unit_forward: list[list[list[float]]] = []
     hooks: list[list[float]] = []
     bucket_ready: list[list[float]] = []
-    step, timed_from = 0, 0.0
-    while not _enough(step - WARMUP_STEPS, time.perf_counter() - timed_from, min_timed_s):
-        step += 1
-        if step == WARMUP_STEPS + 1:
-            timed_from = time.perf_counter()
+    for timed in _steps(min_timed_s):
         marks.clear()
         if hook_timer is not None:
             hook_timer.clear()
@@ -198,7 +201,7 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
         optimizer.step()
         s3 = meter.stamp()
         meter.finish()
-        if step <= WARMUP_STEPS:
+        if not timed:
             continue
         t0, t1, t2, t3 = (meter.seconds(s) for s in (s0, s1, s2, s3))
         times["wall"].append(time.perf_counter() - wall)
@@ -213,6 +216,9 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
             bucket_ready.append([t - t1 for t in hook_timer.ready_seconds()])
     peak = meter.peak_bytes()
     activations, per_unit = _activation_bytes(model, work, x, y, params, marks, device)
+    wrapper_s = 0.0
+    if sharded and meter.device == "cuda":
+        wrapper_s = _wrapper_step_s(setup, device, meter, x, y, min_timed_s)
     return {
         "setup": setup.as_dict(),
         "param_names": names,
@@ -240,7 +246,47 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
         "device": setup.device,
         "timed_steps": len(times["step"]),
         "step_samples_s": times["step"],
+        "wrapper_step_s": wrapper_s,
     }
+
+
+def _wrapper_step_s(
+    setup: Setup,
+    device: torch.device,
+    meter: Meter,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    min_timed_s: float,
+) -> float:
+    """Collective: the sharded wrapper's whole step at world size 1, median seconds, timed as
+    the plain model's steps are. On a GPU a small model's step is bound by the host launching
+    kernels, and the wrapper's per-unit Python work (gathers and frees that a world of one
+    makes no-ops of) then lengthens it 1.3-2.7x (an H200: MLP 2.5 -> 6.7 ms)."""
+    model, optimizer = build(setup, device)
+    work = setup.workload
+    times: list[float] = []
+    for timed in _steps(min_timed_s):
+        meter.start()
+        s0 = meter.stamp()
+        optimizer.zero_grad(set_to_none=True)
+        work.loss(model(x), y).backward()
+        optimizer.step()
+        s1 = meter.stamp()
+        meter.finish()
+        if timed:
+            times.append(meter.seconds(s1) - meter.seconds(s0))
+    return statistics.median(times)
+
+
+def _steps(min_timed_s: float) -> Iterator[bool]:
+    """Once per step, whether it is timed: WARMUP_STEPS untimed, then timed ones until they
+    are enough (_enough)."""
+    for _ in range(WARMUP_STEPS):
+        yield False
+    timed, timed_from = 0, time.perf_counter()
+    while not _enough(timed, time.perf_counter() - timed_from, min_timed_s):
+        yield True
+        timed += 1
 
 
 def _enough(timed: int, timed_s: float, min_timed_s: float) -> bool:

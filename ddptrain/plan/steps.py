@@ -20,7 +20,9 @@ then its gradients are packed (a pass into a fresh send buffer) and reduce-scatt
 reduce group's thread, one in flight at a time. Of each gather and reduce-scatter, the part
 gloo does on the calling thread (copies into and out of its own buffers, measured apart:
 calibrate.py) is the main thread's, when it starts the collective and when it waits for it.
-The optimizer steps 1/n of the parameters. Allocations and frees of tensors ride along for the
+The optimizer steps 1/n of the parameters. On CUDA the wrapper's own host work, its step at
+world size 1 less the plain model's (profile.py's `wrapper_step_s`), is the main thread's, in
+equal parts as each unit's forward starts. Allocations and frees of tensors ride along for the
 memory peak.
 """
 
@@ -142,6 +144,8 @@ class _Sharded:
         self.out: list[Op] = []
         self.gathers: dict[int, int] = {}  # unit -> gathers started
         self.gathered: set[int] = set()
+        own = max(0.0, profile.wrapper_step_s - profile.step_s) if profile.wrapper_step_s else 0.0
+        self.own_s = 0.0 if tensors_only or not profile.units else own / len(profile.units)
         self.finishing: dict[str, float] = {}  # job -> the main thread's seconds finishing it
 
     def _job(self, name: str, op: str, nbytes: int) -> tuple[Job, float, float]:
@@ -190,6 +194,7 @@ class _Sharded:
             out.append(Compute(max(0.0, t - at)))
             at = max(at, t)
             if not leaving:
+                out.append(Compute(self.own_s))
                 if k not in self.gathers:
                     self.start_gather(k)
                 self.wait_gather(k)

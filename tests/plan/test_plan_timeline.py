@@ -248,3 +248,27 @@ def test_the_calling_threads_share_is_measured_here_and_fits_in_the_whole():
     for wall in ({}, {"reduce_scatter": [(0, 0.02), (MIB, 0.02)]}):
         shaped = ShapedLink(1e9, 0.0, link, cpu_table=cpu, wall_table=wall)
         assert _caller(shaped.cost("reduce_scatter", MIB, 2)) == pytest.approx((0.002, 0.001))
+
+
+@pytest.mark.parametrize(
+    ("world_size", "wrapper_step_s", "end_s"),
+    [
+        # Not measured (a CPU profile): the plain step, 10 + 20 + 2 ms.
+        (1, 0.0, 0.032),
+        # The wrapper's step at one rank measured 4 ms longer than the plain model's: that one.
+        (1, 0.036, 0.036),
+        # Two ranks, sending free: 10 + 4 (2 ms as each unit's forward starts) + 20 + 1 (the
+        # optimizer on half the parameters).
+        (2, 0.036, 0.035),
+        # Measured shorter than the plain step (noise): nothing taken off.
+        (1, 0.030, 0.032),
+    ],
+)
+def test_the_sharded_wrappers_own_work_on_a_gpu(world_size, wrapper_step_s, end_s):
+    """A CUDA profile's sharded wrapper step beyond the plain model's is the main thread's, in
+    equal parts as each unit's forward starts, in a ZeRO-3 step of two units worked by hand."""
+    prof = _two_unit_profile()
+    prof.wrapper_step_s = wrapper_step_s
+    fast = bus(bytes_per_s=1e18)
+    step, _ = step_seconds(Setup(strategy="zero3", device="cuda"), prof, fast, world_size)
+    assert step == pytest.approx(end_s, abs=1e-9)
