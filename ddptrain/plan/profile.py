@@ -13,9 +13,9 @@ the wrapper's own work (filling buckets, the PowerSGD hook's compression, timed 
 in the times; what a world of one does not do, sending, the plan adds from the link. The
 sharded strategies run the plain model, with a forward pre-hook and hook on each unit the
 sharded wrapper would make (fsdp/layout.py's choose_units): their gathers and copies are the
-plan's to add; on CUDA the wrapper's whole step is timed too (`wrapper_step_s`). Marks: the
-comm hook, wrapped, notes when each bucket reaches it (DDP strategies); a hook after each
-parameter's gradient is accumulated (sharded).
+plan's to add. On CUDA the strategy's own step, unmarked, is timed too (`wrapper_step_s`).
+Marks: the comm hook, wrapped, notes when each bucket reaches it (DDP strategies); a hook after
+each parameter's gradient is accumulated (sharded).
 
 What a second and a byte are depends on the setup's device (meter.py). CPU: CPU seconds of the
 thread that runs the step (autograd runs a CPU backward on it), so other programs' load
@@ -100,11 +100,13 @@ class Profile:
     device: str = "cpu"  # what the seconds and bytes are of (the module docstring)
     timed_steps: int = 0  # the medians are over this many steps
     step_samples_s: list[float] = field(default_factory=list)  # each timed step's seconds
-    # Sharded strategies on CUDA: the sharded wrapper's own step at world size 1 (median); its
-    # excess over step_s is the wrapper's host work, which the plan charges (steps.py). 0: not
-    # measured (CPU ranks: the local link's measured collectives hold gloo's copies, most of
-    # the wrapper's work there; a GPU link charges bandwidth alone).
+    # On CUDA: the strategy's own step at world size 1, as --check builds it, with no marks
+    # (median). The DDP wrapper's strategies have their spans scaled to it by marks_scale; for
+    # the sharded ones its excess over step_s is the wrapper's host work, which the plan
+    # charges (steps.py). 0: not measured (CPU ranks: the local link's measured collectives
+    # hold gloo's copies, most of the wrapper's work there; a GPU link charges bandwidth alone).
     wrapper_step_s: float = 0.0
+    marks_scale: float = 1.0
 
     @property
     def param_bytes(self) -> int:
@@ -217,9 +219,9 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
     peak = meter.peak_bytes()
     activations, per_unit = _activation_bytes(model, work, x, y, params, marks, device)
     wrapper_s = 0.0
-    if sharded and meter.device == "cuda":
+    if meter.device == "cuda":
         wrapper_s = _wrapper_step_s(setup, device, meter, x, y, min_timed_s)
-    return {
+    fields = {
         "setup": setup.as_dict(),
         "param_names": names,
         "param_numels": numels,
@@ -247,7 +249,24 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
         "timed_steps": len(times["step"]),
         "step_samples_s": times["step"],
         "wrapper_step_s": wrapper_s,
+        "marks_scale": 1.0,
     }
+    return fields if sharded or not wrapper_s else _scaled_to(fields, wrapper_s)
+
+
+def _scaled_to(fields: dict[str, Any], step_s: float) -> dict[str, Any]:
+    """The DDP wrapper's profile with its spans scaled to `step_s`, its step with no marks.
+    On a GPU a small model's step is bound by the host, and the marks (an event at each span's
+    edge and bucket, the timed hook, which turns off the wrapper's path that builds no future)
+    are host work of their own: on an H200 the marked profiles of DDP and ZeRO-1 came out 1.11x
+    their runs on average (12 rows, 0.96-1.24), the unmarked ZeRO-3 steps 0.99x."""
+    factor = step_s / fields["step_s"]
+    out = dict(fields, marks_scale=factor)
+    for name in ("step_s", "wall_step_s", "forward_s", "backward_s", "optimizer_s"):
+        out[name] = fields[name] * factor
+    for name in ("bucket_ready_s", "hook_s", "step_samples_s"):
+        out[name] = [t * factor for t in fields[name]]
+    return out
 
 
 def _wrapper_step_s(
@@ -258,10 +277,11 @@ def _wrapper_step_s(
     y: torch.Tensor,
     min_timed_s: float,
 ) -> float:
-    """Collective: the sharded wrapper's whole step at world size 1, median seconds, timed as
-    the plain model's steps are. On a GPU a small model's step is bound by the host launching
-    kernels, and the wrapper's per-unit Python work (gathers and frees that a world of one
-    makes no-ops of) then lengthens it 1.3-2.7x (an H200: MLP 2.5 -> 6.7 ms)."""
+    """Collective: the strategy's step at world size 1 as --check builds it (no marks, no
+    timed hook), median seconds, each step timed as the profile's are. On a GPU a small
+    model's step is bound by the host launching kernels, and the sharded wrapper's per-unit
+    Python work (gathers and frees that a world of one makes no-ops of) then lengthens the
+    plain model's 1.3-2.7x (an H200: the MLP 2.5 -> 6.7 ms)."""
     model, optimizer = build(setup, device)
     work = setup.workload
     times: list[float] = []

@@ -26,7 +26,15 @@ from collections.abc import Callable, Iterator
 from ddptrain.plan.profile import Profile, profile
 from ddptrain.plan.setup import Setup
 
-_SECONDS = ("step_s", "wall_step_s", "forward_s", "backward_s", "optimizer_s", "wrapper_step_s")
+_SECONDS = (
+    "step_s",
+    "wall_step_s",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "wrapper_step_s",
+    "marks_scale",
+)
 _PER_ITEM_SECONDS = ("ready_s", "bucket_ready_s", "hook_s")
 _BYTES = ("activation_bytes", "rss_before_model_bytes", "peak_rss_bytes")
 
