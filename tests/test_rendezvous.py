@@ -18,7 +18,10 @@ from support.child_env import child_env
 TIMEOUT_S = 2
 HANG_S = 120
 CHILD = """
+import signal
 import sys
+# A terminal's Ctrl-C: a suite started as a background job hands its children SIGINT ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import ddptrain
 print("ready", flush=True)
 try:
