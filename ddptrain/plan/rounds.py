@@ -59,7 +59,8 @@ def turns(count: int, rounds: int) -> Iterator[int]:
 
 def merge(passes: list[Profile]) -> Profile:
     """One profile of a setup from passes of it: each time the mean of the passes' medians,
-    each byte count the mean, every timed step kept."""
+    each byte count the mean, every timed step kept, scaled as its pass's median is to the
+    mean."""
     if len(passes) == 1:
         return passes[0]
     out = Profile(**passes[0].as_dict())
@@ -73,7 +74,11 @@ def merge(passes: list[Profile]) -> Profile:
     per_unit = _mean_rows([p.unit_activation_bytes for p in passes])
     out.unit_activation_bytes = [round(b) for b in per_unit]
     out.timed_steps = sum(p.timed_steps for p in passes)
-    out.step_samples_s = [s for p in passes for s in p.step_samples_s]
+    # Each pass's steps about the merged median: a slow spell of the machine moves all of a
+    # pass's steps, and ranks running at once share it; a step waits for the spread of the
+    # ranks' steps within one spell (predict.straggle_s), not for the spells' difference.
+    out.step_samples_s = [s * out.step_s / p.step_s if p.step_s > 0 else s
+                          for p in passes for s in p.step_samples_s]  # fmt: skip
     return out
 
 
