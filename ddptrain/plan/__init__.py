@@ -23,7 +23,6 @@ docs/plan.md states the formulas and what they assume.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,15 +67,7 @@ class Plan:
     world_sizes: list[int]
     background_threads: float
     predictions: list[Prediction]
-    profiles: list[Profile] = field(default_factory=list)  # alone, one per prediction
-    # Per company (copies computing at once, company_at) above 1: a profile per prediction.
-    company_profiles: dict[int, list[Profile]] = field(default_factory=dict)
-    company: dict[int, int] = field(default_factory=dict)  # world size -> its company
-
-    def profile_for(self, index: int, world_size: int) -> Profile:
-        """The profile prediction `index` was made from at `world_size`."""
-        k = self.company.get(world_size, 1)
-        return self.company_profiles[k][index] if k > 1 else self.profiles[index]
+    profiles: list[Profile] = field(default_factory=list)
 
     @property
     def largest_efficient(self) -> tuple[int, str] | None:
@@ -104,10 +95,6 @@ class Plan:
             # What the predictions were made from: with the link's figures, they can be
             # remade (predict.predict) after the model changes.
             "profiles": [p.as_dict() for p in self.profiles],
-            "company": self.company,
-            "company_profiles": {
-                k: [p.as_dict() for p in profs] for k, profs in self.company_profiles.items()
-            },
         }
 
 
@@ -143,16 +130,6 @@ def memory_per_rank(link: Link, world_size: int) -> int | None:
     return total // max(1, world_size)
 
 
-def company_at(link: Link, world_size: int) -> int:
-    """Ranks of `world_size` computing at once on one machine's cores (company.py): as many as
-    share them, at most one a core; 1 where no CPU is shared (GPU ranks)."""
-    cpu = link.cpu(world_size)
-    if cpu is None:
-        return 1
-    cores, peers = cpu
-    return max(1, min(peers, int(cores)))
-
-
 def plan(
     model: str = "mlp",
     *,
@@ -172,10 +149,8 @@ def plan(
     """Predict every strategy at every world size (the module docstring); `link`: None for
     the device's default (DEFAULT_LINKS); `background`: busy threads of other programs to
     share the cores with (None: counted now, 0 for an idle machine); `profiles`: by strategy,
-    to reuse at every world size; `device`: None for cuda where torch sees a GPU, else cpu;
-    `profile_rounds`: passes of each profile, the strategies taking turns (rounds.py). A world
-    size whose ranks compute beside each other on this machine's cores is predicted from
-    profiles taken in that company (company_at), world size 1 from profiles taken alone."""
+    to reuse; `device`: None for cuda where torch sees a GPU, else cpu; `profile_rounds`:
+    passes of each profile, the strategies taking turns (rounds.py)."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}: choose from {', '.join(STRATEGIES)}")
@@ -208,23 +183,17 @@ def plan(
         for strategy in strategies
     ]
     given = profiles or {}
-    points = sorted(set(sizes) | {1})
-    company = {n: company_at(resolved, n) for n in points}
     missing = [setup for setup in setups if setup.strategy not in given]
-    by_company: dict[int, list[Profile]] = {}
-    for k in sorted(set(company.values())):
-        run = profile if k == 1 else functools.partial(profile, company=k)
-        made = dict(zip(missing, profile_in_rounds(missing, profile_rounds, run), strict=True))
-        by_company[k] = [given.get(setup.strategy) or made[setup] for setup in setups]
-    predictions = []
-    for i, setup in enumerate(setups):
-        pred = Prediction(setup.as_dict(), getattr(resolved, "name", "link"))
-        for n in points:
-            prof = by_company[company[n]][i]
-            (point,) = predict(setup, prof, resolved, [n], background=busy).points
-            budget = memory_per_rank_bytes or memory_per_rank(resolved, point.world_size)
-            point.fits = None if budget is None else point.peak_bytes <= budget
-            pred.points.append(point)
+    made = dict(zip(missing, profile_in_rounds(missing, profile_rounds, profile), strict=True))
+    predictions, used = [], []
+    for setup in setups:
+        prof = given.get(setup.strategy) or made[setup]
+        used.append(prof)
+        points = sorted(set(sizes) | {1})
+        pred = predict(setup, prof, resolved, points, background=busy)
+        for p in pred.points:
+            budget = memory_per_rank_bytes or memory_per_rank(resolved, p.world_size)
+            p.fits = None if budget is None else p.peak_bytes <= budget
         predictions.append(pred)
     one_rank = min(pred.at(1).step_s for pred in predictions)
     set_efficiency(predictions, one_rank)
@@ -232,5 +201,4 @@ def plan(
         for pred in predictions:
             pred.points = [p for p in pred.points if p.world_size != 1]
     name = getattr(resolved, "name", str(link))
-    shared = {k: profs for k, profs in by_company.items() if k > 1}
-    return Plan(name, sizes, busy, predictions, by_company[1], shared, company)
+    return Plan(name, sizes, busy, predictions, used)

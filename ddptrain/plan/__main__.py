@@ -175,8 +175,8 @@ def _check(args: argparse.Namespace, result: Any, link: Any) -> list[dict[str, A
     rows = []
     for n in args.world_sizes:
         todo = [
-            (Setup(**pred.setup), result.profile_for(i, n))
-            for i, pred in enumerate(result.predictions)
+            (Setup(**pred.setup), prof)
+            for pred, prof in zip(result.predictions, result.profiles, strict=True)
             if _checkable(link, n, pred.setup["device"])
         ]
         runs: list[list[dict[str, Any]]] = [[] for _ in todo]
@@ -195,14 +195,6 @@ def _check(args: argparse.Namespace, result: Any, link: Any) -> list[dict[str, A
             rows.append(compare(setup, point, combine(measured), link.name, mean_busy))
             print(format_check(rows[-1:]).splitlines()[1], flush=True)
     return rows
-
-
-def _company_note(company: dict[int, int]) -> str:
-    """Which world sizes were predicted from profiles taken in company (company.py)."""
-    shared = {k: [n for n, c in company.items() if c == k] for k in set(company.values()) if k > 1}
-    notes = [f"world size{'s' * (len(ns) > 1)} {', '.join(map(str, ns))} from profiles taken "
-             f"as one of {k} copies" for k, ns in sorted(shared.items())]  # fmt: skip
-    return "; " + "; ".join(notes) if notes else ""
 
 
 def _background(args: argparse.Namespace, link: Any) -> float:
@@ -249,7 +241,7 @@ def _main(args: argparse.Namespace) -> dict[str, Any]:
             )
             title = f"{model}, {link_name}: {getattr(link, 'description', '')}"
             print(f"\n== {title} (planned for {result.background_threads:.1f} busy threads of "
-                  f"other programs{_company_note(result.company)})")  # fmt: skip
+                  "other programs)")  # fmt: skip
             print(format_table(result.predictions))
             print(format_choice(result.predictions, result.world_sizes))
             print(text_chart(result.predictions))

@@ -37,8 +37,9 @@ from ddptrain.launch.spawn import WorkerError
 from ddptrain.netns import torchrun, two_hosts
 from ddptrain.plan.load import background_threads
 from ddptrain.plan.predict import Point
+from ddptrain.plan.profile import start_method
 from ddptrain.plan.run import Steps, run_rank
-from ddptrain.plan.setup import Setup, rank_env, start_method
+from ddptrain.plan.setup import Setup, rank_env
 
 
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:

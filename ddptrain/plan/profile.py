@@ -43,26 +43,28 @@ from torch import nn
 import ddptrain
 from ddptrain.bench.memory import return_freed_memory
 from ddptrain.fsdp.layout import choose_units, group_parameters
-from ddptrain.plan.company import beside
 from ddptrain.plan.meter import Meter, meter_for
-from ddptrain.plan.setup import (
-    OPTIMIZERS,
-    Setup,
-    batch,
-    build,
-    rank_device,
-    rank_env,
-    start_method,
-)
+from ddptrain.plan.setup import OPTIMIZERS, Setup, build, rank_env
 
 SHARDED = ("zero2", "zero3")
 
 WARMUP_STEPS = 3
+# Fresh interpreters, as torchrun and srun start ranks: a rank forked from ddptrain.spawn's
+# forkserver inherits pages it would otherwise fault in while training (a lower peak RSS), so
+# profile and --check start every rank so.
+START_METHOD = "spawn"
 # A guest's CPU runs up to a third slower for a second or two at a time: the median of eight
 # MLP steps moved 15-24% between profiles, of 60 steps (4 s) 6-10%.
 TIMED_STEPS = 8
 MIN_TIMED_S = 2.0
 MAX_TIMED_STEPS = 400
+
+
+def start_method(device: str) -> str | None:
+    """How ranks of `device` start: CPU ranks as START_METHOD says; CUDA ranks from
+    ddptrain.spawn's forkserver (torch imported once, seconds saved a rank), since the
+    allocator's bytes they are measured by hold nothing a fork inherits."""
+    return START_METHOD if device == "cpu" else None
 
 
 @dataclass
@@ -105,7 +107,6 @@ class Profile:
     # hold gloo's copies, most of the wrapper's work there; a GPU link charges bandwidth alone).
     wrapper_step_s: float = 0.0
     marks_scale: float = 1.0
-    company: int = 1  # copies of the step computing at once while it was timed, this one among them
 
     @property
     def param_bytes(self) -> int:
@@ -120,28 +121,32 @@ class Profile:
         return self.hook_s[-1] if strategy == "powersgd" and self.hook_s else 0.0
 
 
-def profile(
-    setup: Setup, timeout_s: float = 600.0, min_timed_s: float = MIN_TIMED_S, company: int = 1
-) -> Profile:
+def profile(setup: Setup, timeout_s: float = 600.0, min_timed_s: float = MIN_TIMED_S) -> Profile:
     """Profile `setup` in a fresh process (a world of one) on the setup's device, timing
-    steps for at least `min_timed_s` of wall time; `company`: that many copies of the step
-    compute at once, this one among them (company.py)."""
-    with beside(setup, company - 1, timeout_s):
-        (raw,) = ddptrain.spawn(
-            _profile_rank,
-            1,
-            setup.as_dict(),
-            min_timed_s,
-            timeout_s=timeout_s,
-            start_method=start_method(setup.device),
-            env=rank_env(setup.device),
-        )
-    return Profile(**raw, company=max(1, company))
+    steps for at least `min_timed_s` of wall time."""
+    (raw,) = ddptrain.spawn(
+        _profile_rank,
+        1,
+        setup.as_dict(),
+        min_timed_s,
+        timeout_s=timeout_s,
+        start_method=start_method(setup.device),
+        env=rank_env(setup.device),
+    )
+    return Profile(**raw)
 
 
 def _profile_rank(setup_dict: dict[str, Any], min_timed_s: float) -> dict[str, Any]:
     setup = Setup(**setup_dict)
     return measure(setup, meter_for(setup.device), min_timed_s)
+
+
+def rank_device(setup: Setup) -> torch.device:
+    """Join a world (gloo for CPU ranks, NCCL for CUDA ones) and return this rank's device."""
+    info = ddptrain.init_distributed(backend="gloo" if setup.device == "cpu" else None)
+    if setup.device == "cuda" and info.device.type != "cuda":
+        raise RuntimeError(f"setup wants cuda, but this rank got {info.device} ({info.backend})")
+    return torch.device("cpu") if setup.device == "cpu" else info.device
 
 
 def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dict[str, Any]:
@@ -172,7 +177,10 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
     shapes = [list(p.shape) for p in params]
     numels = [p.numel() for p in params]
     marks = _Marks(meter, plain, params, unit_modules, param_hooks=sharded)
-    x, y = batch(setup, device, seed=0)
+    x, y = work.batch(torch.Generator().manual_seed(0))
+    if x.is_floating_point():
+        x = x.to(setup.dtype)
+    x, y = x.to(device), y.to(device)
     meter.reset_peak()
     times: dict[str, list[float]] = {
         k: [] for k in ("wall", "step", "forward", "backward", "optimizer")

@@ -100,13 +100,13 @@ SHARED_COMPUTE = ("ddp", "zero1", "powersgd")
 
 def pool_shared_compute(profiles: list[Profile]) -> list[Profile]:
     """The profiles, those of strategies that share one forward and backward (SHARED_COMPUTE,
-    the rest of the setup and the company equal) given the mean of theirs (module docstring);
-    PowerSGD's last hook, run on the training thread at the end of backward, stays its own."""
+    the rest of the setup equal) given the mean of theirs (module docstring); PowerSGD's last
+    hook, run on the training thread at the end of backward, stays its own."""
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(profiles):
         if p.setup.get("strategy") in SHARED_COMPUTE:
             rest = {k: v for k, v in p.setup.items() if k not in ("strategy", "powersgd_rank")}
-            groups.setdefault((tuple(sorted(rest.items())), p.company), []).append(i)
+            groups.setdefault(tuple(sorted(rest.items())), []).append(i)
     out = list(profiles)
     for members in groups.values():
         if len(members) < 2:

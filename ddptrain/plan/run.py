@@ -35,7 +35,8 @@ import torch.distributed as dist
 import ddptrain
 from ddptrain.bench.memory import return_freed_memory
 from ddptrain.plan.meter import Meter, meter_for
-from ddptrain.plan.setup import Setup, batch, build, rank_device
+from ddptrain.plan.profile import rank_device
+from ddptrain.plan.setup import Setup, build
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,10 @@ def run_rank(
     work = setup.workload
     rss_before_model = meter.allocated_bytes()
     model, optimizer = build(setup, device)
-    x, y = batch(setup, device, seed=dist.get_rank())
+    x, y = work.batch(torch.Generator().manual_seed(dist.get_rank()))
+    if x.is_floating_point():
+        x = x.to(setup.dtype)
+    x, y = x.to(device), y.to(device)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)

@@ -93,38 +93,6 @@ def require_device(device: str) -> None:
         )
 
 
-# Fresh interpreters, as torchrun and srun start ranks: a rank forked from ddptrain.spawn's
-# forkserver inherits pages it would otherwise fault in while training (a lower peak RSS), so
-# profiles and --check start every CPU rank so.
-START_METHOD = "spawn"
-
-
-def start_method(device: str) -> str | None:
-    """How ranks of `device` start: CPU ranks as START_METHOD says; CUDA ranks from
-    ddptrain.spawn's forkserver (torch imported once, seconds saved a rank), since the
-    allocator's bytes they are measured by hold nothing a fork inherits."""
-    return START_METHOD if device == "cpu" else None
-
-
-def rank_device(setup: Setup) -> torch.device:
-    """Join a world (gloo for CPU ranks, NCCL for CUDA ones) and return this rank's device."""
-    import ddptrain
-
-    info = ddptrain.init_distributed(backend="gloo" if setup.device == "cpu" else None)
-    if setup.device == "cuda" and info.device.type != "cuda":
-        raise RuntimeError(f"setup wants cuda, but this rank got {info.device} ({info.backend})")
-    return torch.device("cpu") if setup.device == "cpu" else info.device
-
-
-def batch(setup: Setup, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The setup's batch drawn from `seed`, its floating inputs in the setup's precision, on
-    `device`."""
-    x, y = setup.workload.batch(torch.Generator().manual_seed(seed))
-    if x.is_floating_point():
-        x = x.to(setup.dtype)
-    return x.to(device), y.to(device)
-
-
 def rank_env(device: str) -> dict[str, str]:
     """Environment for ranks spawned to compute on `device`: CPU ranks see no GPU, so
     init_distributed picks gloo and the CPU even on a GPU machine."""
