@@ -13,9 +13,10 @@ from torch import nn
 import ddptrain
 from ddptrain.plan import __main__ as cli
 from ddptrain.plan import check
+from ddptrain.plan.marks import Marks, activation_bytes
 from ddptrain.plan.meter import CpuMeter, CudaMeter
 from ddptrain.plan.predict import peak_memory, predict
-from ddptrain.plan.profile import MAX_TIMED_STEPS, TIMED_STEPS, _activation_bytes, _enough, _Marks
+from ddptrain.plan.profile import MAX_TIMED_STEPS, TIMED_STEPS, _enough
 from ddptrain.plan.setup import Setup
 from support.fake_cuda import FakeCuda, measure_with_fake_cuda
 from support.plan_profiles import MIB, bus, ddp_profile
@@ -111,8 +112,8 @@ def test_activations_count_the_storages_on_the_setups_device(device, expected):
     for CUDA storages, none of these CPU ones."""
     model, x = _saving_toy()
     params = list(model.parameters())
-    marks = _Marks(CpuMeter(), model, params, [], param_hooks=False)
-    total, _ = _activation_bytes(model, _SumLoss(), x, x, params, marks, torch.device(device))
+    marks = Marks(CpuMeter(), model, params, [], param_hooks=False)
+    total, _ = activation_bytes(model, _SumLoss(), x, x, params, marks, torch.device(device))
     assert total == expected
 
 
