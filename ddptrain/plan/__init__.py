@@ -11,14 +11,14 @@
     result.predictions[0].at(4).step_s, result.predictions[0].at(4).peak_bytes
     result.largest_efficient          # (world size, strategy) keeping efficiency >= 80%
 
-It profiles the model's step on one process (profile.py; in turns, rounds.py), measures this
-machine's collectives once (calibrate.py, cached), and models the rest: each rank's step as
-threads sharing its cores (timeline.py, steps.py), the link's cost per collective (links.py),
-the bytes a rank holds (memory.py, predict.py). `--check` trains the same setups for real
-(check.py) and prints predicted against measured. `device`: where the profile and the check run,
-"cuda" (the default where torch sees a GPU: device seconds and bytes, a GPU link) or "cpu"
-(meter.py). scaling.py writes docs/scaling.md (GPU ranks on paper).
-docs/plan.md states the formulas and what they assume.
+It profiles the model's step on one process (profile.py, its hooks and timers in marks.py; in
+turns, rounds.py), measures this machine's collectives once (calibrate.py, cached), and models the
+rest: each rank's step as threads sharing its cores (timeline.py, steps.py), the link's cost per
+collective (links.py), the bytes a rank holds (memory.py, predict.py). `--check` trains the same
+setups for real (check.py) and prints predicted against measured. `device`: where the profile and
+the check run, "cuda" (the default where torch sees a GPU: device seconds and bytes, a GPU link) or
+"cpu" (meter.py). scaling.py writes docs/scaling.md (GPU ranks on paper). docs/plan.md states the
+formulas and what they assume.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def build(
     setup: Setup, device: torch.device, wrap_hook: Callable[[Any], Any] | None = None
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Collective: the model built from seed 0, wrapped per the strategy, and its optimizer;
-    `wrap_hook(hook)`: the comm hook the DDP wrapper gets instead of `hook` (profile.py's timer;
+    `wrap_hook(hook)`: the comm hook the DDP wrapper gets instead of `hook` (marks.py's HookTimer;
     the default transport's hook for ddp and zero1)."""
     from ddptrain.compress.powersgd import PowerSGDState, powersgd_hook
     from ddptrain.ddp.hooks import default_transport, transport_hook
