@@ -48,8 +48,7 @@ def _run_recipe(flags: list[str]) -> int:
 
 
 def test_offline_hint_keeps_the_users_flags_and_launcher(monkeypatch):
-    """The Fashion-MNIST command the offline error suggests is the user's own run (its flags,
-    its launcher) with --dataset fashion-mnist instead of theirs."""
+    """The offline hint repeats the user's flags and launcher, with --dataset fashion-mnist."""
     hint = _recipe_module()._offline_hint
     monkeypatch.setattr(sys, "argv", ["recipes/mnist.py"])
     flags = ["--dataset", "mnist", "--dry-run", "--log-dir", "runs/a b"]
@@ -265,8 +264,7 @@ def test_recipe_error_line(case_id: str, folders, rank0, capsys) -> None:
 
 @pytest.mark.parametrize("case_id", [c for c in CLI_CASES if c.startswith("cli-data-dir-")])
 def test_a_data_dir_that_cannot_serve_is_left_as_it_was(case_id: str, folders, rank0, capsys):
-    """A --data-dir holding nothing usable, or the other dataset, gains no file and no folder
-    (in particular no MNIST/raw/), and a missing one is not created."""
+    """A --data-dir that cannot serve gains no file or folder (no MNIST/raw/); none is created."""
     flags = CLI_CASES[case_id].flags(folders)
     data_dir = Path(flags[flags.index("--data-dir") + 1])
     before = sorted(data_dir.rglob("*")) if data_dir.exists() else None

@@ -116,8 +116,7 @@ def _run_alike_in_world() -> tuple[str, str, bool]:
 
 
 def test_an_error_under_a_node_list_only_scontrol_expands_is_still_one_line(monkeypatch, capsys):
-    """run_main finding the rank from SLURM variables whose node list its parser refuses: the
-    error line, not a second traceback from the handler."""
+    """A SLURM node list the parser refuses still gives one error line, not a second traceback."""
     slurm = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
     for key, value in {**slurm, "SLURM_JOB_ID": "5", "SLURM_STEP_NODELIST": "n[1-"}.items():
         monkeypatch.setenv(key, value)
@@ -163,8 +162,8 @@ def test_parser_errors_and_bounded_types_raise_usage_errors():
 
 
 def test_abbreviated_flags_are_refused_with_the_whole_name_suggested():
-    """`--epoch 3` is not taken for --epochs 3 (argparse's abbreviations are off); the error
-    names the flag meant, and the whole name still works."""
+    """`--epoch 3` is refused, not taken for --epochs, with the whole name suggested."""
+    # argparse's abbreviations are off.
     parser = cli.ArgumentParser(prog="train.py")
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--lr", type=float)

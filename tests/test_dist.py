@@ -137,8 +137,7 @@ def _run_unpaired_on_a_new_group() -> str:
 
 
 def test_a_group_ddptrain_makes_times_out_as_the_default_group_does():
-    """A collective only one rank reaches on a group made by new_group_like fails after
-    init_distributed's timeout_s (2 s), not torch's 30 minutes for a new gloo group."""
+    """A new_group_like group's unpaired collective fails after timeout_s, not torch's 30 min."""
     message = ddptrain.spawn(_run_unpaired_on_a_new_group, 2, timeout_s=60)[0]
     assert "timed out" in message.lower(), message
 
@@ -170,8 +169,8 @@ def _run_shutdown_with_hooks() -> tuple:
 
 
 def test_shutdown_closes_hook_threads_and_groups_before_exit():
-    """shutdown() stops the hooks' worker threads and destroys their groups: no gloo thread
-    outlives it (one that does can abort the interpreter's exit), and a closed hook refuses."""
+    """shutdown() leaves no hook or gloo thread alive, and a closed hook refuses work."""
+    # A gloo thread that outlives shutdown() can abort the interpreter's exit.
     for during, after, refused in ddptrain.spawn(_run_shutdown_with_hooks, 2, timeout_s=60):
         assert "ddptrain-comm" in set(during)
         assert any(n.startswith("pt_gloo") for n in during)
@@ -239,8 +238,8 @@ def _run_report_process() -> tuple:
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_spawn_workers_see_the_callers_environment_now(start_method, monkeypatch):
-    """Each call's workers get the caller's current environment (not the forkserver's, set
-    earlier) and start their own children with the platform default, as torchrun ranks do."""
+    """spawn's workers see the caller's current environment and start children the default way."""
+    # The forkserver's environment was set earlier; torchrun ranks use the default method too.
     import multiprocessing
 
     default = multiprocessing.get_context().get_start_method()
@@ -259,8 +258,7 @@ def _report_folder():
 
 
 def test_spawn_workers_do_not_report_to_the_callers_ddptrain_run(monkeypatch, tmp_path):
-    """A worker of ddptrain-run that spawns its own ranks keeps them out of the launcher's
-    report folder: they are not its workers."""
+    """Ranks spawned by a ddptrain-run worker write nothing to the launcher's report folder."""
     monkeypatch.setenv("DDPTRAIN_REPORT_DIR", str(tmp_path))
     assert ddptrain.spawn(_report_folder, 2, timeout_s=60) == [None, None]
 
@@ -272,8 +270,8 @@ def test_spawn_refuses_an_unknown_start_method():
 
 
 def test_spawn_refuses_a_function_from_an_interactive_session(monkeypatch):
-    """A notebook cell's function (module __main__, no file) is refused before any worker starts;
-    one from a script's __main__ (a file workers re-run) or a module is accepted."""
+    """A notebook cell's function is refused before any worker starts; a script's is accepted."""
+    # Workers re-run a script's __main__ file; a cell's function has no file to re-run.
     import sys
 
     def cell_function() -> None:

@@ -34,8 +34,8 @@ def _bash_blocks(doc: str) -> list[str]:
 
 
 def test_readme_and_guide_give_the_same_set_up_with_the_cpu_torch_command_written_out():
-    """The first command block of the README's set-up and of the guide is the same, and its
-    first line installs CPU-only torch in one command (the CUDA path is PyTorch's selector)."""
+    """README and guide open set-up with one block, whose first line installs CPU-only torch."""
+    # The CUDA path is left to PyTorch's selector page, which both link.
     readme = (ROOT / "README.md").read_text().split("## Set up", 1)[1]
     guide = (ROOT / "docs" / "guide.md").read_text().split("Set-up, as in the README:", 1)[1]
     blocks = [
@@ -50,16 +50,15 @@ def test_readme_and_guide_give_the_same_set_up_with_the_cpu_torch_command_writte
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/guide.md"])
 def test_launch_commands_use_ddptrain_run(doc):
-    """Every multi-process command in the README's and the guide's command blocks starts the
-    job with ddptrain-run (plain torchrun is mentioned in the text, not commanded)."""
+    """Every multi-process command in the doc's command blocks launches with ddptrain-run."""
+    # Plain torchrun may be mentioned in the text, just not commanded.
     lines = [line.strip() for block in _bash_blocks(doc) for line in block.splitlines()]
     assert not [line for line in lines if re.search(r"(^|&& |\s)torchrun ", line)], doc
     assert any("ddptrain-run --standalone" in line for line in lines), doc
 
 
 def test_readme_quick_start_runs_as_one_process_and_under_ddptrain_run(tmp_path):
-    """README's train.py prints the world size it ran at and a finite mean loss, alone and at 2
-    under ddptrain-run."""
+    """README's train.py prints its world size and a finite loss, alone and at 2 ranks."""
     (tmp_path / "train.py").write_text(python_block("README.md", "ddptrain.DDP(LeNet()"))
     run = [*DDPTRAIN_RUN, "--standalone", "--nproc_per_node=2"]
     for world_size, launch in ((1, [sys.executable]), (2, run)):
@@ -110,8 +109,7 @@ def test_guide_spawn_example_returns_every_ranks_summary(tmp_path):
 
 @pytest.mark.slow
 def test_guide_language_model_learns_bytes(tmp_path):
-    """The guide's lm.py trains its GPT on the json package's source and ends well below a
-    uniform guess (8 bits per byte)."""
+    """The guide's lm.py, trained on the json package, ends below 5 bits per byte (uniform is 8)."""
     (tmp_path / "lm.py").write_text(python_block("docs/guide.md", "class LMTrainer(Trainer)"))
     out = _run([sys.executable, "lm.py"], tmp_path).stdout
     found = re.findall(r"^validation: ([\d.]+) bits per byte$", out, flags=re.MULTILINE)

@@ -117,10 +117,9 @@ def _stop(*agents: subprocess.Popen) -> None:
 
 
 def test_an_agent_leaves_and_returns_and_the_job_loses_no_step(tmp_path):
-    """Agent B SIGKILLed at world size 2: its orphaned worker sees its agent gone, both ranks
-    save the step they are at, agent A goes on alone from it (world size 1, same global batch);
-    B started again: A's worker saves on torchrun's SIGTERM and both go on at world size 2 from
-    that step. Every step is trained once, and the model learns."""
+    """An agent SIGKILLed and started again: every step is trained once, and the model learns."""
+    # Both ranks save when B's orphaned worker sees its agent gone; A goes on alone (same global
+    # batch) until B returns, then saves on torchrun's SIGTERM and both go on at world size 2.
     port = worlds.free_port()
     # ddptrain-run runs torchrun's own agent: A under it, B under torchrun, B's return under it.
     a = _agent(port, tmp_path, "agent-a", hosts_store=True, launcher="ddptrain-run")

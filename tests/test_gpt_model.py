@@ -25,8 +25,7 @@ def test_logits_have_one_row_per_position_and_byte():
 
 
 def test_a_later_byte_does_not_change_earlier_logits():
-    """Changing the byte at position 9 leaves the logits of positions 0-8 bitwise the same
-    and changes those from 9 on: attention is causal."""
+    """Attention is causal: changing byte 9 leaves logits 0-8 bitwise the same and changes 9 on."""
     model = _model()
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     y = x.clone()
@@ -38,8 +37,7 @@ def test_a_later_byte_does_not_change_earlier_logits():
 
 
 def test_the_output_projection_is_the_token_embedding():
-    """One tensor serves both (counted once among the parameters), and a gradient through
-    the logits alone reaches it."""
+    """lm_head and wte are one tensor, counted once, that a gradient through the logits reaches."""
     model = _model()
     assert model.lm_head.weight is model.wte.weight
     names = [n for n, _ in model.named_parameters()]
@@ -51,8 +49,7 @@ def test_the_output_projection_is_the_token_embedding():
 
 
 def test_initialisation_is_gpt2s():
-    """Weights N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 n_layer)), biases zero,
-    LayerNorms the identity."""
+    """GPT-2 init: N(0, 0.02), residual out N(0, 0.02/sqrt(2 n_layer)), biases 0, LayerNorms 1."""
     torch.manual_seed(0)
     model = GPT(n_layer=8, n_head=4, n_embd=256, block_size=64)
     proj = model.blocks[0].mlp.proj.weight
@@ -65,8 +62,7 @@ def test_initialisation_is_gpt2s():
 
 
 def test_generate_extends_the_prompt_reproducibly_past_the_context():
-    """generate() keeps the prompt, adds the asked number of bytes (more than block_size: it
-    slides the context), and the same generator seed gives the same bytes."""
+    """generate() keeps the prompt and adds the bytes asked, past block_size, the same per seed."""
     model = _model()
     prompt = torch.tensor([list(b"def ")])
     runs = [
@@ -85,8 +81,7 @@ def test_width_must_split_into_heads():
 
 
 def test_training_flops_per_token_count_every_product_but_the_position_table():
-    """flops_per_token is 6 per weight of the tied embedding, the blocks (12 d^2 + 13 d each)
-    and the final norm, plus 12 L d T for attention: the closed form for GPT-2's layout."""
+    """flops_per_token is 6 per weight but the position table, plus 12 L d T for attention."""
     n_layer, d, t, vocab = 2, 32, 16, 256
     model = GPT(n_layer=n_layer, n_head=4, n_embd=d, block_size=t)
     weights = vocab * d + n_layer * (12 * d * d + 13 * d) + 2 * d

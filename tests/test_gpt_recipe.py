@@ -36,10 +36,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_dry_run_at_world_size_2_trains_evaluates_samples_and_checkpoints(tmp_path):
-    """ddptrain-run --nproc_per_node=2 recipes/gpt.py --dry-run: the data lines name the
-    standard library folder, its file and byte counts and the held-out files; 5 steps, an
-    evaluation in bits per byte, one sample after the prompt, a FINAL line; the checkpoint's
-    best metric is eval_bpb (lowest)."""
+    """gpt.py --dry-run at 2 ranks logs its data, 5 steps, eval_bpb, a sample; best is eval_bpb."""
     ckpt = tmp_path / "ckpt"
     flags = ["--dry-run", "--no-progress-bar", "--checkpoint-dir", str(ckpt)]
     out = _run([*DDPTRAIN_RUN, "--standalone", "--nproc_per_node=2", str(RECIPE), *flags], tmp_path)
@@ -64,9 +61,7 @@ def test_dry_run_at_world_size_2_trains_evaluates_samples_and_checkpoints(tmp_pa
 
 @pytest.mark.slow
 def test_a_data_folder_under_zero3_with_checkpointed_blocks(tmp_path):
-    """--data FOLDER --files '*.txt' --zero-stage 3 --activation-checkpointing in one process:
-    the text of the folder is read, split by file, trained and sampled from the gathered
-    model."""
+    """A --data folder is read, split by file, trained under ZeRO-3 with checkpointing, sampled."""
     folder = tmp_path / "notes"
     folder.mkdir()
     for i in range(6):
@@ -80,9 +75,8 @@ def test_a_data_folder_under_zero3_with_checkpointed_blocks(tmp_path):
 
 
 def test_held_out_files_are_never_trained_on(tmp_path):
-    """load_text's validation bytes are exactly the held-out files' and the training bytes
-    the others', file by file (each file's text is unique); the same seed gives the same
-    split, and a single file holds out its tail instead."""
+    """load_text holds out whole files, the same per seed; a single file holds out its tail."""
+    # Each file's text is unique, so the bytes show which files each part holds.
     recipe = _recipe()
     for i in range(30):
         (tmp_path / f"f{i:02}.py").write_text(f"# file {i:02}\n" * 30)
@@ -101,8 +95,7 @@ def test_held_out_files_are_never_trained_on(tmp_path):
 
 
 def test_flags_are_checked_together():
-    """--n-embd not divisible by --n-head is one usage error naming both; --dry-run shrinks
-    only the sizes left at their defaults."""
+    """--n-embd not divisible by --n-head is one usage error; --dry-run shrinks only defaults."""
     recipe = _recipe()
     with pytest.raises(cli.UsageError, match="--n-embd 30 is not divisible by --n-head 4"):
         recipe.parse_args(["--n-embd", "30"])

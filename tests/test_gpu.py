@@ -94,8 +94,7 @@ def _run_fully_sharded() -> dict:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_fully_sharded_on_cuda_equals_the_ddp_wrapper(world_size):
-    """ZeRO-3 on CUDA with NCCL: 10 AdamW steps of LeNet equal the DDP wrapper's (bitwise at 1-2
-    ranks), and the whole model and optimizer states it gathers stay on the GPU."""
+    """ZeRO-3 on CUDA equals the DDP wrapper bitwise over 10 AdamW steps, its states on the GPU."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs")
     for r in ddptrain.spawn(_run_fully_sharded, world_size, timeout_s=300):
@@ -272,8 +271,7 @@ def _run_deterministic(backend: str) -> dict:
 
 
 def test_deterministic_mode_gives_the_same_bits_twice_on_cuda():
-    """deterministic=True on CUDA: two runs of LeNet with BatchNorm and dropout end on the same
-    parameters, buffers and optimizer state, bit for bit, all on the GPU."""
+    """deterministic=True on CUDA: two runs with BatchNorm and dropout end bitwise the same."""
     first, second = (ddptrain.spawn(_run_deterministic, 1, "nccl", timeout_s=300)[0] for _ in "ab")
     assert first["trained"] and all(d.startswith("cuda") for d in first["devices"]), first
     assert first["digest"] == second["digest"]
@@ -281,8 +279,7 @@ def test_deterministic_mode_gives_the_same_bits_twice_on_cuda():
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_deterministic_mode_on_cuda_ends_alike_however_the_micro_batches_are_grouped(world_size):
-    """deterministic=True on CUDA: 4 micro-batches on one rank end on the bits of the same
-    micro-batches shared by 2 or 4 ranks (gloo carrying the GPU's tensors)."""
+    """deterministic=True on CUDA: 4 micro-batches on one rank end bitwise as on 2 or 4 ranks."""
     one = ddptrain.spawn(_run_deterministic, 1, "nccl", timeout_s=300)[0]
     # Every rank's LOCAL_RANK 0: all of them on the one GPU.
     shared = ddptrain.spawn(
@@ -293,8 +290,8 @@ def test_deterministic_mode_on_cuda_ends_alike_however_the_micro_batches_are_gro
 
 
 def test_the_deterministic_trainer_gives_the_same_bits_twice_on_cuda():
-    """TrainerConfig(deterministic=True) on CUDA (torch's deterministic algorithms turned on by
-    the Trainer): two runs with dropout end on the same parameters and logged loss."""
+    """TrainerConfig(deterministic=True) on CUDA: two runs with dropout end bitwise the same."""
+    # The Trainer turns on torch's deterministic algorithms itself.
     cfg = TrainerConfig(
         global_batch_size=12,
         micro_batch_size=3,

@@ -203,8 +203,7 @@ def test_launcher_precedence(env, launcher, rank):
 
 
 def test_a_torchrun_agent_is_recognised_by_its_run_id():
-    """A worker that torchrun's agent started (TORCHELASTIC_RUN_ID) knows its parent is the
-    agent; hand-set RANK/WORLD_SIZE do not say so, nor does the agent's store alone."""
+    """TORCHELASTIC_RUN_ID marks a torchrun agent's worker; hand-set RANK/WORLD_SIZE do not."""
     agent = {**TORCHRUN_RANK3, "TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     parsed = parse_env(agent)
     assert (parsed.elastic_agent, parsed.agent_store) == (True, True)

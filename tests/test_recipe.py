@@ -50,8 +50,7 @@ def _launch(nproc: int, launcher: str = "ddptrain-run") -> list[str]:
 
 @pytest.mark.skipif(not REAL_RAW.is_dir(), reason=f"shared MNIST not found at {REAL_RAW}")
 def test_dry_run_at_world_size_2_downloads_the_test_split_then_trains_and_checkpoints(tmp_path):
-    """ddptrain-run --nproc_per_node=2 fetches the missing (real) test split from a 127.0.0.1
-    mirror, trains 5 steps, evaluates on it and saves."""
+    """At 2 ranks the recipe fetches the missing test split from a local mirror, trains, saves."""
     data_dir = tmp_path / "data"
     write_split(data_dir / "MNIST" / "raw", "train", 640, seed=1)
     ckpt_dir = tmp_path / "ckpt"
@@ -117,10 +116,7 @@ def test_plain_python_run_and_target_acc_exit_code(tmp_path, data_dir):
     "launcher", ["ddptrain-run", pytest.param("torchrun", marks=pytest.mark.slow)]
 )
 def test_offline_without_data_is_one_error_line_from_two_ranks(tmp_path, launcher):
-    """No data and no reachable mirror at world size 2: one `error:` line naming the folder and
-    the Fashion-MNIST alternative (under the launcher it ran under), no rank traceback, no file
-    left in the data folder. ddptrain-run prints it last and exits 1; torchrun follows it with
-    its own report."""
+    """No data and no mirror at 2 ranks: one `error:` line naming the fix, exit status 1."""
     data_dir = tmp_path / "none"
     result = _run(
         _launch(2, launcher)
@@ -160,8 +156,7 @@ def _recipe_module():
 def test_the_system_fashion_mnist_stands_in_only_when_no_data_dir_is_given(
     tmp_path, monkeypatch, capsys
 ):
-    """Without --data-dir the recipe reads the system copy and its first line says so; with a
-    --data-dir lacking the files it stops with what that folder holds, never using the copy."""
+    """The system Fashion-MNIST copy is read only without --data-dir, and the first line says so."""
     system = tmp_path / "system"
     write_split(system, "train", 64, first_labels=FASHION_FIRST_LABELS["train"])
     write_split(system, "t10k", 20, first_labels=FASHION_FIRST_LABELS["t10k"])
@@ -203,8 +198,7 @@ def test_help_names_a_default_for_every_flag():
 
 
 def test_checkpoint_flags_reach_the_config():
-    """--checkpoint-every-steps and --keep-last set TrainerConfig's fields; left out, the
-    config's own defaults (each epoch, keep 3) hold; an abbreviation is refused."""
+    """--checkpoint-every-steps and --keep-last set TrainerConfig's fields, else its defaults."""
     recipe = _recipe_module()
     base = ["--checkpoint-dir", "ckpt"]
     cfg = recipe.build_config(
@@ -218,9 +212,7 @@ def test_checkpoint_flags_reach_the_config():
 
 
 def test_preemption_flags_reach_the_config():
-    """--checkpoint-every-minutes and --preempt-signals set TrainerConfig's fields (signal names
-    with or without SIG, or none); a signal that does not exist, or minutes without
-    --checkpoint-dir, are settings errors that name the flag."""
+    """--checkpoint-every-minutes and --preempt-signals set their fields; bad ones name the flag."""
     recipe = _recipe_module()
     base = ["--checkpoint-dir", "ckpt"]
     args = [*base, "--checkpoint-every-minutes", "0.5", "--preempt-signals", "TERM,SIGUSR2"]
@@ -244,8 +236,7 @@ def test_preemption_flags_reach_the_config():
 
 @pytest.mark.slow
 def test_resume_auto_at_world_size_2_sets_a_truncated_checkpoint_aside(tmp_path, data_dir):
-    """Checkpoints every 2 steps; the newest cut short; --resume auto at world size 2 says once
-    which file and why, moves it intact into invalid/, resumes from step 2 and saves on."""
+    """--resume auto at 2 ranks moves a truncated checkpoint to invalid/ and resumes at step 2."""
     ckpt_dir = tmp_path / "ckpt"
     flags = [
         str(RECIPE),

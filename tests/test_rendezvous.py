@@ -123,9 +123,8 @@ def test_ctrl_c_stops_a_rank_waiting_for_its_peers():
 
 
 def test_ranks_meet_on_fresh_keys_in_an_agent_store_holding_a_dead_rounds_keys():
-    """A store that outlives rounds (torchrun's agent hosts it) holds a finished round's token
-    and answers, and the agents count restarts differently (0 and 1, as after an elastic
-    scale-up): both ranks still meet, rank 1 having read the dead round's token first."""
+    """Ranks meet in an agent store holding a dead round's keys, with restart counts 0 and 1."""
+    # torchrun's agent store outlives rounds; the counts differ as after an elastic scale-up.
     port = _free_port()
     agent_store = dist.TCPStore(
         "127.0.0.1", port, is_master=True, wait_for_workers=False, multi_tenant=True

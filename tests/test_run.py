@@ -31,8 +31,7 @@ def _outcome(rank: int, code: int, line: str | None = None, **flags: bool) -> re
 
 
 def test_a_line_several_ranks_report_is_printed_once():
-    """A setting's error from both ranks is one bare line; a data error seen on both names both
-    ranks; different lines stay apart, each naming its rank."""
+    """A line several ranks report prints once; different lines stay apart, each naming its rank."""
     setting = {r: _outcome(r, 2, "error: bad lr", same_on_every_rank=True) for r in (0, 1)}
     assert report.error_lines(setting) == ["error: bad lr"]
     local = {r: _outcome(r, 1, "error: no file") for r in (1, 0)}
@@ -42,8 +41,7 @@ def test_a_line_several_ranks_report_is_printed_once():
 
 
 def test_a_failed_job_exits_with_the_first_failing_ranks_code():
-    """The code is the first failure's (2 for a flag, 75 for a lost rank, its own for a plain
-    exit); a rank killed by a signal exits 1 and is named; a bug names its exception."""
+    """A failed job exits with its first failure's code; a rank killed by a signal gives 1."""
     flag = {r: _outcome(r, 2, "error: bad flag", same_on_every_rank=True) for r in (0, 1)}
     failures = {0: report.Failure(-15), 1: report.Failure(2)}
     assert report.failed_job(flag, failures, root=1) == report.Ending(["error: bad flag"], 2)
@@ -58,8 +56,7 @@ def test_a_failed_job_exits_with_the_first_failing_ranks_code():
 
 
 def test_a_line_that_follows_a_peers_failure_is_shown_only_as_the_first_failure():
-    """`rank 0 left ...` from rank 1 is left out when rank 0 failed first (its own line, or
-    torchrun's record of it, is shown); when rank 1 failed first it is the line shown."""
+    """A `rank 0 left` line is shown only when its rank failed first."""
     follows = _outcome(1, 1, "error: rank 1: rank 0 left", follows_peer=True)
     own = _outcome(0, 1, "error: disk full")
     both = {0: own, 1: follows}
@@ -72,8 +69,7 @@ def test_a_line_that_follows_a_peers_failure_is_shown_only_as_the_first_failure(
 
 
 def test_a_signalled_job_exits_with_the_workers_code_else_128_plus_the_signal():
-    """After Ctrl-C the saved job's 76 (no line: rank 0 printed its own); workers that report
-    nothing give 128 + the signal, with one line saying so."""
+    """A signalled job exits with its workers' code, else 128 + the signal and one line."""
     saved = {r: _outcome(r, 76) for r in (0, 1)}
     assert report.signalled_job(saved, signal.SIGINT) == report.Ending([], 76)
     early = {
@@ -87,8 +83,7 @@ def test_a_signalled_job_exits_with_the_workers_code_else_128_plus_the_signal():
 
 
 def test_a_worker_reports_only_under_ddptrain_run(tmp_path, monkeypatch):
-    """Without DDPTRAIN_REPORT_DIR nothing is written (the worker prints); with it, the rank's
-    outcome reads back whole."""
+    """A worker writes its outcome only under DDPTRAIN_REPORT_DIR, and it reads back whole."""
     monkeypatch.delenv(report.REPORT_DIR_ENV, raising=False)
     assert not report.worker_exit(2, "error: x")
     monkeypatch.setenv(report.REPORT_DIR_ENV, str(tmp_path))
@@ -112,9 +107,7 @@ def _round(count: str, world_size: str) -> dict[int, dict[str, str]]:
 
 
 def test_each_round_of_workers_reports_into_its_own_folder(tmp_path, capsys):
-    """torchrun's LogsSpecs still names the error files; each round gets a fresh report folder;
-    a new round prints the last one's error lines, then whether a failure or a membership change
-    restarts the workers."""
+    """Each round gets its own report folder; the next prints the last one's errors and why."""
     specs = runner.ReportingLogsSpecs(DefaultLogsSpecs(log_dir=str(tmp_path / "logs")), tmp_path)
     first = _round("0", "2")
     specs.reify(first)
@@ -144,8 +137,7 @@ def test_each_round_of_workers_reports_into_its_own_folder(tmp_path, capsys):
     ("preset", "nproc", "expected"), [(None, "2", "1"), (None, "1", None), ("4", "2", "4")]
 )
 def test_omp_num_threads_is_set_where_torchrun_would_set_it(monkeypatch, preset, nproc, expected):
-    """Several workers and no OMP_NUM_THREADS: 1 (torchrun's value, without its banner); one
-    worker, or a value the user set: left alone."""
+    """Several workers and no OMP_NUM_THREADS: 1, as torchrun sets; otherwise it is left alone."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     if preset is not None:
         monkeypatch.setenv("OMP_NUM_THREADS", preset)
@@ -154,8 +146,7 @@ def test_omp_num_threads_is_set_where_torchrun_would_set_it(monkeypatch, preset,
 
 
 def test_torchruns_shutdown_records_are_left_out_and_its_other_records_kept():
-    """`Sending process ... closing signal` and the `failed (exitcode ...)` record give way to
-    the job's last lines; a forced SIGKILL is still shown."""
+    """torchrun's closing-signal and exitcode records are left out; a forced SIGKILL still shows."""
     seen: list[str] = []
 
     class Collect(logging.Handler):
@@ -188,8 +179,7 @@ def _launch(cmd: list[str], cwd: Path, **env: str) -> subprocess.CompletedProces
 
 
 def test_a_bad_flag_ends_with_its_line_once_and_exit_status_2(tmp_path):
-    """Both ranks refuse `--lr -1`: the line is printed once, and nothing else (no OMP banner, no
-    traceback, no FAILED block), with status 2."""
+    """A flag both ranks refuse is one stderr line and nothing else, with exit status 2."""
     done = _launch([*DDPTRAIN_RUN, *TWO, str(RECIPE), "--lr", "-1"], tmp_path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
@@ -213,8 +203,8 @@ main()
 
 
 def test_a_bug_on_one_rank_ends_with_that_rank_and_its_exception(tmp_path):
-    """A script without ddptrain's reporting: its traceback stays, and the last line names the
-    failing rank and its exception (from torchrun's error file); status 1, not torchrun's report."""
+    """A bug keeps its traceback and ends with one line naming the rank and exception, status 1."""
+    # The script has no ddptrain reporting: the exception comes from torchrun's error file.
     (tmp_path / "bug.py").write_text(_BUG)
     done = _launch([*DDPTRAIN_RUN, *TWO, "bug.py"], tmp_path)
     assert done.returncode == 1, done.stderr
@@ -243,8 +233,7 @@ sys.exit(run_main(main))
 
 @pytest.mark.slow
 def test_a_restart_shows_the_failed_rounds_line_then_the_restart(tmp_path):
-    """--max-restarts=1: rank 1's error of the first round is printed when the workers restart,
-    with the restart counted; the second round succeeds and the job exits 0."""
+    """--max-restarts=1: the failed round's error line, then the counted restart; exit status 0."""
     (tmp_path / "job.py").write_text(_FAILS_ONCE)
     done = _launch([*DDPTRAIN_RUN, *TWO, "--max-restarts=1", "job.py"], tmp_path)
     assert done.returncode == 0, done.stderr
@@ -265,9 +254,7 @@ time.sleep(600)
 
 @pytest.mark.slow
 def test_sigterm_to_workers_that_report_nothing_exits_128_plus_it(tmp_path):
-    """SIGTERM to ddptrain-run: torchrun forwards it; workers that are not ddptrain's report
-    nothing, so the job ends with one line and 143, where plain torchrun shows a traceback of
-    SignalException and exits 1."""
+    """SIGTERM to ddptrain-run over silent workers ends with one line and 143, torchrun's with 1."""
     (tmp_path / "sleep.py").write_text(_SLEEPER)
     ends = {}
     for name, launcher in (("ddptrain-run", DDPTRAIN_RUN), ("torchrun", TORCHRUN)):

@@ -37,9 +37,7 @@ def _flags(parser: argparse.ArgumentParser) -> set[str]:
 
 @pytest.mark.parametrize(("name", "own"), [("mnist", "MNISTSettings"), ("gpt", "GPTSettings")])
 def test_every_config_field_is_a_recipe_flag_and_every_flag_a_field(name, own):
-    """Each recipe's flags are exactly the TrainerConfig fields and its own settings' (the
-    MNIST recipe's MNISTSettings, the GPT recipe's GPTSettings), each as --field-name (and
-    --no-field-name for a switch), plus --help."""
+    """A recipe's flags are --help and its config and settings fields as --field-name (or --no-)."""
     recipe = _recipe(name)
     expected = {"--help"}
     for cls in (TrainerConfig, getattr(recipe, own)):
@@ -138,8 +136,7 @@ def test_check_fields_refuses_wrong_types_choices_and_bounds(values, error):
 
 
 def test_guide_tables_are_made_from_the_settings():
-    """docs/guide.md's settings tables equal what the code's fields make (regenerate with
-    ddptrain.flags.settings_table)."""
+    """docs/guide.md's settings tables equal what flags.settings_table makes from the fields."""
     tables = dict(TABLE.findall(GUIDE.read_text()))
     assert set(tables) == {"TrainerConfig", "MNISTSettings", "GPTSettings"}
     assert tables["TrainerConfig"] == flags.settings_table(TrainerConfig)

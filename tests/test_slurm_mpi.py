@@ -336,11 +336,8 @@ def _job_state(job_id: str, env: dict[str, str]) -> dict[str, str]:
 def test_sbatch_requeues_a_signalled_job_that_resumes_where_it_stopped(
     slurm_cluster, workdir, tmp_path, signame
 ):
-    """`scancel --signal=USR1 --batch` mid-run (what --signal=B:USR1@90 sends before the time
-    limit; TERM: what preemption sends): the script passes it to the ranks, which save the step
-    they are at and exit 76; the script requeues the job, whose second start resumes from that
-    step and finishes with the model of a run never stopped, bit for bit: no step lost, none
-    trained twice."""
+    """A signalled sbatch job saves, exits 76, is requeued and ends bitwise as an unstopped run."""
+    # USR1: what --signal=B:USR1@90 sends before the time limit; TERM: what preemption sends.
     steps = 300  # 15 epochs of 20 steps: seconds, so the signal lands mid-run
     args = [
         *("--data-dir", str(workdir / "data"), "--no-progress-bar", "--global-batch-size", "32"),

@@ -32,8 +32,7 @@ CONSEQUENCES = [
     "consequence", CONSEQUENCES, ids=["closed", "reset", "timed_out", "store_timeout", "not_run"]
 )
 def test_the_root_cause_comes_first_whatever_rank_raised_it(consequence):
-    """Rank 0's error caused by rank 1's failure is listed after rank 1's own error; both are
-    in the report, and a rank that passed is not."""
+    """A rank's own error is listed before the one it caused on another; passed ranks are not."""
     results = [{"c": (False, consequence)}, {"c": (False, OWN)}, {"c": (True, 3)}]
     assert worlds.failures(results, "c") == [(1, OWN), (0, consequence)]
     with pytest.raises(pytest.fail.Exception) as failed:
@@ -57,8 +56,7 @@ def test_errors_of_the_same_kind_keep_rank_order():
 
 
 def test_a_traceback_quoting_timeout_does_not_make_an_error_a_consequence():
-    """Only the message is read: code in the traceback that mentions a timeout does not
-    demote an error of the rank's own."""
+    """Only the message counts: a timeout in the traceback's code does not demote an error."""
     error = _error("KeyError: 'weight'", code="    dist.barrier(timeout=timeout_s)")
     assert not worlds.is_consequence(error)
     assert all(worlds.is_consequence(c) for c in CONSEQUENCES)

@@ -45,8 +45,7 @@ def test_quick_run_writes_the_expected_json(tmp_path):
 
 
 def test_quick_run_times_the_compression_variants(tmp_path):
-    """The PowerSGD extras each time LeNet (ddptrain's hook, torch's on ddptrain's wrapper,
-    torch's on official DDP); ddptrain's reports the elements it sends, fewer than it has."""
+    """--quick times the three PowerSGD extras; ddptrain's sends fewer elements than it has."""
     extras = ",".join(compression.EXTRAS)
     argv = ["--quick", "--no-plot", "--ring-reps", "0", "--extras", extras]
     result = bench.main([*argv, "--out", str(tmp_path)])
@@ -76,8 +75,7 @@ def _raw(rank_scale: float) -> dict:
 
 
 def test_summary_takes_the_slowest_rank_then_the_median():
-    """Step time is the slowest rank's; ratios, samples/s, exposed comm and bandwidth follow
-    from medians."""
+    """Step time is the slowest rank's; ratios, samples/s, exposed comm, bandwidth use medians."""
     settings = {"world_size": 2, "batch_size_per_rank": {"m": 11}}
     result = bench_report.summarize([_raw(1.0), _raw(2.0)], settings)
     m = result["models"]["m"]["variants"]
@@ -148,8 +146,7 @@ def test_machine_records_the_kernels_torch_picked():
 
 
 def test_sharded_variants_run_and_are_paired_against_fully_shard(tmp_path):
-    """--extras zero2,zero3,torch_fsdp time ddptrain's ZeRO-2 and ZeRO-3 and torch's fully_shard
-    beside the base variants, and report each of ours paired against fully_shard."""
+    """--extras zero2,zero3,torch_fsdp time them, ZeRO-2 and ZeRO-3 paired against fully_shard."""
     args = ["--quick", "--extras", "zero2,zero3,torch_fsdp", "--ring-reps", "0", "--no-plot"]
     result = bench.main([*args, "--out", str(tmp_path)])
     lenet = result["models"]["lenet"]

@@ -11,8 +11,7 @@ from ddptrain.bench import gpt, gpt_report
 
 
 def test_steady_rates_leave_out_warm_up_and_evaluations():
-    """The first `skip` steps and the intervals holding an evaluation (after every 3rd step)
-    are left out: only the 0.5 s intervals (0.25 s of CPU) count, by their median."""
+    """Steady rates are the median interval, leaving out the first `skip` steps and evaluations."""
     # Step k ends at ends[k - 1]; step 1 compiles (10 s), step 3's interval to 4 evaluates.
     wall = [10.0, 10.5, 11.0, 14.0, 14.5, 15.0, 18.0, 18.5, 18.9]
     ends = [(w, w / 2) for w in wall]
@@ -28,8 +27,7 @@ def _run(seconds_per_step: float, curve: list) -> list[dict]:
 
 
 def test_summary_pairs_the_loops_and_measures_the_curves_apart():
-    """Ratios of median tokens/s for each pair present; the largest gap between the paired
-    curves, and between the two seeds of the plain loop."""
+    """Pairs give median tokens/s ratios and the largest curve gap, as do the plain loop's seeds."""
     curve_a, curve_b = [(4, 3.0), (8, 2.5)], [(4, 3.1), (8, 2.45)]
     runs = [
         {
@@ -50,8 +48,7 @@ def test_summary_pairs_the_loops_and_measures_the_curves_apart():
 
 
 def test_mfu_is_the_models_flops_at_the_measured_rate_over_the_cards_peak():
-    """With a peak in the settings each variant's MFU is flops_per_token x its median tokens/s
-    over that peak; the datasheet table names H100s and H200s at bf16, and no CPU."""
+    """MFU is flops_per_token x median tokens/s over the peak; H100/H200 bf16 known, CPU not."""
     runs = [{"ddptrain": _run(0.5, []), "plain": _run(0.25, [])}]
     settings = {"skip_steps": 1, "eval_every": 100, "flops_per_token": 1e9, "peak_flops": 1e12}
     v = gpt_report.summarize(runs, settings)["variants"]
@@ -70,8 +67,7 @@ def test_mfu_is_the_models_flops_at_the_measured_rate_over_the_cards_peak():
 
 @pytest.mark.slow
 def test_quick_run_writes_the_comparison(tmp_path):
-    """--quick trains the tiny GPT with the Trainer and the plain loop at world size 2: both
-    report tokens/s and the same validation steps, and gpt.json holds the table's numbers."""
+    """--quick at ws 2: Trainer and plain loop give tokens/s and the same eval steps in gpt.json."""
     result = gpt.main(["--gpt", "--quick", "--variants", "ddptrain,plain", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "gpt.json").read_text())
     assert saved == json.loads(json.dumps(result))

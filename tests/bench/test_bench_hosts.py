@@ -39,8 +39,7 @@ def _one_host_transport() -> str:
 
 @pytest.mark.slow
 def test_under_torchrun_rank_0_writes_every_variant(tmp_path):
-    """torchrun --standalone x 2 runs the bench in its own ranks: one JSON, every variant, both
-    ranks on one host, launcher and bucket transport recorded."""
+    """torchrun with 2 ranks on one host: rank 0 alone writes a JSON with every variant."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     bench_args = ["-m", "ddptrain.bench", "--quick", "--no-plot", "--out", str(tmp_path)]
     done = subprocess.run(
@@ -68,8 +67,7 @@ def test_under_torchrun_rank_0_writes_every_variant(tmp_path):
 
 
 def test_placement_groups_ranks_by_host_and_flags_mixed_transports():
-    """hosts() lists each distinct (hostname, netns) once with its ranks; transport() is "mixed"
-    only when models or ranks disagree."""
+    """hosts() lists each (hostname, netns) with its ranks; transport() is mixed on disagreement."""
 
     def rank(netns: str, *transports: str) -> dict:
         models = {f"m{i}": {"transport": t} for i, t in enumerate(transports)}
@@ -100,8 +98,7 @@ def _ours(pid: int) -> list[str]:
 
 @pytest.mark.slow
 def test_two_hosts_reduce_over_tcp_and_leave_no_namespace(root_and_netns, tmp_path):
-    """--two-hosts --quick: one rank in each of two namespaces, a JSON whose settings say the
-    wrapper's buckets went over direct TCP (not shared memory); the namespaces are gone after."""
+    """--two-hosts: a rank per namespace, buckets over TCP (not shared memory), no netns left."""
     argv = ["--two-hosts", "--quick", "--no-plot", "--out", str(tmp_path), "--timeout-s", "150"]
     try:
         result = bench_hosts.main(argv)
@@ -132,9 +129,8 @@ def test_two_hosts_reduce_over_tcp_and_leave_no_namespace(root_and_netns, tmp_pa
 
 @pytest.mark.slow
 def test_two_hosts_over_a_shaped_link_record_the_shaping_and_its_measure(root_and_netns, tmp_path):
-    """--link 100mbit: tbf on both veth ends, a probe no faster than the rate allows (its
-    24 KiB burst adds at most 0.5% to the probe's 5 MB; a loaded machine is only slower), and
-    the compression variants timed across the two hosts; the namespaces are gone after."""
+    """--link 100mbit: tbf on both veth ends, a probe within 2% of the rate, no namespace left."""
+    # The probe's 24 KiB burst adds at most 0.5% to its 5 MB; a loaded machine is only slower.
     argv = ["--two-hosts", "--link", "100mbit", "--quick", "--out", str(tmp_path)]
     try:
         result = bench_hosts.main([*argv, "--timeout-s", "150"])
@@ -156,8 +152,7 @@ def test_two_hosts_over_a_shaped_link_record_the_shaping_and_its_measure(root_an
 
 
 def test_link_flag_sets_the_slow_link_defaults_which_given_flags_override():
-    """--link makes the MLP and the compression extras the defaults; --models given wins; a
-    rate tc would not understand is refused."""
+    """--link defaults to the MLP and compression extras; given --models wins; bad rates fail."""
     _, _, bench = bench_hosts.parse_args(["--two-hosts", "--link", "1gbit"])
     assert bench.models == ["mlp"] and "powersgd" in bench.extras
     _, _, bench = bench_hosts.parse_args(["--two-hosts", "--link", "1gbit", "--models", "lenet"])
@@ -167,8 +162,7 @@ def test_link_flag_sets_the_slow_link_defaults_which_given_flags_override():
 
 
 def test_a_launcher_that_fails_stops_the_other_and_is_not_called_a_timeout():
-    """One launcher exiting 3 while the other would sleep a minute: RunFailed says "failed"
-    with both exit codes (the other stopped, None), at once, not after the timeout."""
+    """A launcher exiting 3 stops the other at once: RunFailed with codes [3, None], no timeout."""
     commands = [[sys.executable, "-c", "raise SystemExit(3)"], ["sleep", "60"]]
     with pytest.raises(bench_hosts.RunFailed, match=r"failed \(launcher exit codes \[3, None\]\)"):
         bench_hosts.run_launchers(commands, [dict(os.environ)] * 2, timeout_s=50)
@@ -176,8 +170,7 @@ def test_a_launcher_that_fails_stops_the_other_and_is_not_called_a_timeout():
 
 @pytest.mark.slow
 def test_two_hosts_timeout_kills_the_launchers_and_deletes_the_namespaces(root_and_netns, tmp_path):
-    """A run past --timeout-s raises RunFailed naming the timeout; no namespace, no process of
-    it (launchers, ranks) and no file in --out is left."""
+    """A run past --timeout-s raises RunFailed, leaving no namespace, process or file in --out."""
     # A million timed steps: no machine finishes them inside the timeout, so the run is always
     # killed mid-way (a --quick run can finish its JSON just before a short deadline).
     many = ["--models", "lenet", "--steps", "1000000", "--extras", "none", "--ring-reps", "0"]

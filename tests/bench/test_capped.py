@@ -12,8 +12,7 @@ WIDTH, DEPTH, CAP_MIB = 1024, 16, 210
 
 
 def test_a_model_over_the_cap_trains_with_zero3_and_fails_with_ddp():
-    """Under a 210 MiB address-space cap per rank at ws=4, DDP's AdamW run fails to allocate and
-    ZeRO-3's trains two steps to finite losses."""
+    """Under a 210 MiB cap per rank at ws=4, AdamW DDP fails to allocate; ZeRO-3 trains 2 steps."""
     ddp = capped.run("ddp", 4, WIDTH, DEPTH, 2, CAP_MIB)
     zero3 = capped.run("zero3", 4, WIDTH, DEPTH, 2, CAP_MIB)
     assert not ddp["trained"] and "allocate memory" in ddp["error"], ddp

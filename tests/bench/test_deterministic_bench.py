@@ -12,9 +12,8 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_quick_run_times_both_modes_and_measures_their_memory(tmp_path):
-    """--deterministic --quick: one row (the recipe's LeNet, world size 2) with both modes'
-    step times, training peaks and held buffers, written to deterministic.json: the exact
-    mode holds int64 buckets (two gradient copies) and its .grad inside them (no third)."""
+    """--deterministic --quick times both modes; the exact mode holds 2 to 3 gradient copies."""
+    # The exact mode holds int64 buckets (two gradient copies) and its .grad inside them.
     deterministic.main(["--deterministic", "--quick", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "deterministic.json").read_text())
     (row,) = saved["rows"]
@@ -30,9 +29,7 @@ def test_quick_run_times_both_modes_and_measures_their_memory(tmp_path):
 
 
 def test_summary_pairs_rounds_and_counts_extra_memory_in_gradient_copies():
-    """The ratio is the median of per-round ratios (not of the medians); the extra memory is
-    the deterministic peak's (its host share's, and held bytes') excess over the default one,
-    worst rank, in gradient sizes."""
+    """Ratio: median of per-round ratios; extra memory: worst rank's excess in gradient copies."""
     times = {"m": {2: {"default": [1.0, 2.0, 10.0], "deterministic": [1.5, 2.2, 10.5]}}}
     memory = {
         "m": {

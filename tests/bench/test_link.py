@@ -16,8 +16,7 @@ from ddptrain.netns import HostsUnavailable, two_hosts
 
 
 def test_segments_are_a_millisecond_of_the_rate_within_bounds():
-    """The veth's segment cap is BURST_S of the rate, never under MIN_SEGMENT_BYTES nor over
-    the 64 KiB TCP uses anyway."""
+    """The segment cap is BURST_S of the rate, within MIN_SEGMENT_BYTES and GSO_BYTES (64 KiB)."""
     assert link.segment_bytes("100mbit") == int(100e6 / 8 * link.BURST_S)
     assert link.segment_bytes("10mbit") == link.MIN_SEGMENT_BYTES
     assert link.segment_bytes("1gbit") == link.GSO_BYTES
@@ -25,9 +24,9 @@ def test_segments_are_a_millisecond_of_the_rate_within_bounds():
 
 
 def test_a_message_after_an_idle_moment_pays_most_of_its_serialization_at_100mbit():
-    """At 100mbit the bucket lets at most ~2 ms of bytes skip the rate: a 128 KiB message sent
-    after an idle moment takes at least 75% of its 10.5 ms at the rate (with 64 KiB segments
-    the bucket held 6 ms of bytes, and it took ~4.5 ms); the veth reports the segment cap."""
+    """At 100mbit a 128 KiB message after an idle moment takes >= 75% of its time at the rate."""
+    # The bucket lets at most ~2 ms of bytes skip the rate; with 64 KiB segments it held 6 ms
+    # and the message took ~4.5 ms of its 10.5.
     try:
         with two_hosts("lk") as (a, b):
             shaping = link.shape_link(a, b, "100mbit")
@@ -61,9 +60,7 @@ def test_a_message_after_an_idle_moment_pays_most_of_its_serialization_at_100mbi
 def test_a_cached_shaped_link_is_measured_again_only_under_another_bucket(
     monkeypatch, cached_burst, measured_again
 ):
-    """The planner's cached 100mbit calibration is kept when its bucket is one the emulator
-    makes now (capped segments, or 64 KiB ones where the kernel refuses the cap), and
-    measured again otherwise."""
+    """A cached 100mbit calibration is kept if its bucket is one made now, else measured again."""
     from ddptrain.plan import calibrate
 
     entry = {"cpu": {}, "wall": {}, "meet": {}, "round_trip_s": 1e-4, "source": "cached"}

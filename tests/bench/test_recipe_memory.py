@@ -68,8 +68,7 @@ def test_recipe_args_take_a_lone_flag_and_bad_ones_fail_in_the_parent(capsys):
 
 
 def test_recipe_world_size_that_does_not_split_the_batch_fails_in_the_parent(capsys):
-    """--world-size 3 with the default global batch of 256 is one usage error naming the fix,
-    before any rank starts; a batch that splits is accepted."""
+    """--world-size 3 with batch 256 exits with status 2 before any rank starts; 252 is accepted."""
     with pytest.raises(SystemExit) as exited:
         recipe.parse_args(["--recipe", "--world-size", "3"])
     assert exited.value.code == 2
@@ -116,8 +115,7 @@ def test_recipe_paired_ratio_is_the_median_of_each_repeats_ratio():
 
 
 def test_lockstep_bound_keeps_each_step_only_as_long_as_the_slowest_process():
-    """Equal traces keep the whole floor; out-of-phase slow steps cost their excess; a process
-    alone keeps all; traces are cut to the shortest."""
+    """The lockstep bound is 1 for equal traces or one process, less by out-of-phase excess."""
     assert recipe_report.lockstep_bound([[0, 1, 3, 4], [5, 6, 8, 9]]) == pytest.approx(1.0)
     # Steps of 1, 2, 1, 2 s against 2, 1, 2, 1 s: each process alone takes 6 s (together 1/3
     # step/s), in lockstep every step takes 2 s, 8 s for two processes' 4 steps (0.25 step/s).
@@ -131,8 +129,7 @@ def test_lockstep_bound_keeps_each_step_only_as_long_as_the_slowest_process():
 
 
 def test_recipe_summary_gives_the_floor_lockstep_bound_per_repeat():
-    """The bound per repeat from the floor's step ends, their median, and a line in the table;
-    none when the ranks outnumber the cores."""
+    """The floor's lockstep bound per repeat, its median, a table line; none if ranks > cores."""
 
     def run(slow_step_s: float) -> dict:
         ends = [[0, 1, 1 + slow_step_s], [0, slow_step_s, 1 + slow_step_s]]
@@ -224,8 +221,7 @@ def test_shm_bytes_come_from_ddptrain_mappings_only():
 
 
 def test_memory_of_the_zero_stages_holds_their_share(tmp_path):
-    """--memory with AdamW: DDP holds 16 bytes a parameter, ZeRO-1 8 + 8/ws, ZeRO-3 16/ws (its
-    shards, within the alignment padding); every variant reports a positive training peak."""
+    """With AdamW, DDP holds 16 bytes a parameter, ZeRO-1 8 + 8/ws, ZeRO-3 16/ws; peaks positive."""
     argv = ["--memory", "--quick", "--optimizer", "adamw", "--malloc", "return"]
     argv += ["--variants", "ddptrain,zero1,zero3", "--out", str(tmp_path)]
     mlp = memory.main(argv)["models"]["mlp"]

@@ -89,8 +89,8 @@ def _case_high_descriptors(info) -> tuple[bool, int] | None:
 
 
 def test_sockets_numbered_above_1023_still_work(world):
-    """A process with over a thousand open files (loader workers, logs) still reduces: the
-    sockets' descriptors exceed select()'s limit, so the transport must not use select()."""
+    """Sockets numbered above 1023, past select()'s limit, still reduce to equal results."""
+    # Loader workers and logs can leave a process with over a thousand open files.
     results = worlds.outcome(world(2), "high_fds")
     if results[0] is None:
         pytest.skip(f"the hard limit on open files is below {HIGH_FD + 64}")
@@ -143,8 +143,7 @@ def _case_default_across_hosts(info) -> dict:
 
 
 def test_default_without_shared_memory_is_tcp_and_trains_like_official_ddp(world):
-    """Ranks that share no memory get the TCP transport by default, which trains bitwise as torch
-    DDP."""
+    """Ranks sharing no memory get the TCP transport by default; it trains bitwise as torch DDP."""
     for r in worlds.outcome(world(2), "default_across_hosts"):
         assert r["hook"] == "Socket"
         assert r["equal"]

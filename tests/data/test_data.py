@@ -146,11 +146,8 @@ def test_kth_global_batch_is_the_same_at_every_world_size():
 @pytest.mark.parametrize("shuffle", [True, False])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_index_order_equals_distributed_sampler(shuffle, drop_last):
-    """Oracle: with no partial global batch the streams equal DistributedSampler's per rank.
-
-    With a partial batch, padding to whole global batches extends DistributedSampler's stream
-    and dropping whole global batches shortens it; the shared part is identical.
-    """
+    """Oracle: each rank's stream equals DistributedSampler's wherever the two overlap."""
+    # A partial global batch: padding extends their stream, dropping whole batches shortens it.
     for n, world_size, per_rank, epoch, seed in itertools.product(
         [48, 50, 96, 101], [1, 2, 3, 4], [4, 8], [0, 3], [0, 42]
     ):
@@ -220,10 +217,8 @@ def _make_rank_loaders(n, G, world_size, **kwargs):
 def test_resume_mid_epoch_yields_exactly_the_unseen_samples(
     world_before, world_after, drop_last, shuffle
 ):
-    """Resuming from state_dict, at the same or another world size, sees only what was unseen.
-
-    The loaders run ahead of training (as prefetching does); only marked batches count.
-    """
+    """Resuming from state_dict, at the same or another world size, sees only what was unseen."""
+    # The loaders run ahead of training (as prefetching does); only marked batches count.
     n, G, epoch, steps = 101, 12, 2, 3
     kwargs = {"drop_last": drop_last, "shuffle": shuffle, "seed": 9}
     samplers, loaders = _make_rank_loaders(n, G, world_before, **kwargs)

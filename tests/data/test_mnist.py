@@ -226,8 +226,8 @@ FASHION_FIRST = {"train": (9, 0, 0, 3, 0, 2, 7, 2, 5, 5), "t10k": (9, 2, 1, 1, 6
 @pytest.mark.parametrize("prefix", ["train", "t10k"])
 @pytest.mark.parametrize("wanted", ["mnist", "fashion"])
 def test_a_folder_holding_the_other_dataset_is_passed_over(tmp_path, monkeypatch, prefix, wanted):
-    """The two datasets share file names: a root holding the other one's split is skipped for
-    the right one further down the search, and named when the right one is nowhere."""
+    """A root holding the other dataset's split is skipped for a later folder, or named if none."""
+    # MNIST and Fashion-MNIST share file names.
     load, other_first, own_first = {
         "mnist": (mnist, FASHION_FIRST, MNIST_FIRST),
         "fashion": (fashion_mnist, MNIST_FIRST, FASHION_FIRST),
@@ -343,16 +343,14 @@ _TRAIN_FILES = "train-images-idx3-ubyte.gz and train-labels-idx1-ubyte.gz are mi
     ],
 )
 def test_survey_says_what_a_folder_holds_of_mnist(tmp_path, case, said):
-    """A data folder is described by what it holds: nothing, other files, the other dataset's
-    splits, or a part of MNIST with the files it lacks named."""
+    """survey_data_dir says what a folder holds of MNIST, naming the files a partial split lacks."""
     root = tmp_path / "root"
     _survey_case(root, case)
     assert str(survey_data_dir(root, "mnist")) == f"{root} {said}"
 
 
 def test_a_folder_holding_fashion_mnist_is_never_downloaded_into(tmp_path, offline):
-    """download_mnist and mnist(download=True) refuse a Fashion-MNIST folder before touching the
-    network or the disk: no MNIST/raw/ appears in it."""
+    """MNIST downloads refuse a Fashion-MNIST folder before touching the network or the disk."""
     root = tmp_path / "fashion"
     _survey_case(root, "fashion")
     before = sorted(root.rglob("*"))
@@ -365,8 +363,7 @@ def test_a_folder_holding_fashion_mnist_is_never_downloaded_into(tmp_path, offli
 
 
 def test_fashion_mnist_reads_only_root_without_fallback(tmp_path, monkeypatch):
-    """fallback=False: a root without the files is an error saying what it holds, even though
-    the fallback folder has them (as fallback=True shows)."""
+    """fallback=False: a root lacking the files is an error saying what it holds; no fallback."""
     system = tmp_path / "system"
     write_split(system, "t10k", 10, first_labels=FASHION_FIRST["t10k"])
     spec = dataclasses.replace(ddptrain.data.datasets._FASHION_MNIST, fallback_dirs=(system,))

@@ -25,8 +25,7 @@ def tree(tmp_path) -> Path:
 
 
 def test_text_files_match_the_pattern_and_skip_excluded_folders(tree):
-    """A folder gives its files matching the glob, sorted, outside excluded folders (at any
-    depth); a file gives itself."""
+    """A folder gives its glob matches, sorted, outside excluded folders; a file gives itself."""
     names = [f.relative_to(tree).as_posix() for f in text_files(tree, "*.py", ("test", "tests"))]
     assert names[:3] == ["a.py", "b.py", "many/m00.py"] and names[-1] == "pkg/c.py"
     assert len(names) == 23
@@ -36,8 +35,7 @@ def test_text_files_match_the_pattern_and_skip_excluded_folders(tree):
 
 
 def test_the_split_is_by_file_disjoint_and_the_same_for_any_listing_order(tree):
-    """No file is in both parts; together they are every file; the same seed gives the same
-    split whatever order the files come in, another seed another split."""
+    """The parts are disjoint and cover every file; a seed splits alike in any listing order."""
     files = text_files(tree, "*.py")
     train, val = split_by_file(files, tree, val_fraction=0.2, seed=7)
     assert not set(train) & set(val)
@@ -57,8 +55,7 @@ def test_a_tiny_fraction_still_holds_one_file_out_and_one_file_is_refused(tree):
 
 
 def test_windows_predict_the_next_byte_and_batches_match_collate():
-    """Window i holds bytes [i*T, i*T+T] (x the first T, y the last T); get_batch equals
-    default_collate of the items; the last partial window is dropped."""
+    """Window i is bytes [i*T, i*T+T] as x, y shifted by one; get_batch equals default_collate."""
     data = torch.arange(50, dtype=torch.uint8)
     ds = ByteWindows(data, block_size=8)
     assert len(ds) == 6  # (50 - 1) // 8

@@ -75,9 +75,7 @@ def _case_join_with_zero(info) -> dict:
 
 
 def test_join_with_zero_optimizers_equals_zero_gradient_steps(world):
-    """torch's Join([model, ZeroRedundancyOptimizer]) on ddptrain's wrapper, with ddptrain's
-    ZeRO or torch's, and with steps of 2 micro-batches (one under no_sync): bitwise the run
-    where the short rank steps on zero gradients."""
+    """Join with ddptrain's or torch's ZeRO, no_sync steps too, is bitwise zero-gradient steps."""
     for r in worlds.outcome(world(WORLD_SIZE), "join_with_zero"):
         assert torch.equal(r["ours"], r["padded"])
         assert torch.equal(r["torch_zero"], r["padded"])

@@ -23,8 +23,7 @@ def _bf16(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 
 def test_build_layout_gives_each_parameter_one_slot_and_a_tail_after_the_last_bucket_if_asked():
-    """Slots tile the buckets in launch order, without overlap; the tail, when asked for, is the
-    last bucket's end."""
+    """Slots tile the buckets in launch order without overlap; an asked-for tail ends the last."""
     params = [torch.empty(300), torch.empty(4, 5, 3, 3).to(memory_format=torch.channels_last)]
     params.append(torch.empty(1000))
     # 1.2 KB closes the first bucket after parameter 2; 0 and 1 share the second.

@@ -130,9 +130,7 @@ world = worlds.fixture(
 
 @pytest.mark.parametrize("hook", HOOKS)
 def test_carried_values_arrive_summed_over_ranks_after_the_backward(world, hook):
-    """Each synchronized backward turns the values carried before it into their sum over ranks
-    (None until it has run); a no_sync backward carries nothing, and a rank that carries 0 adds
-    nothing."""
+    """Each synced backward sums the values carried before it over ranks; no_sync carries none."""
     for rank_result in worlds.outcome(world(2), "flags"):
         r = rank_result[hook]
         assert r["seen"] == [(None, 1 + 2), (None, 0), (None, 5), (None, 3 + 3)]
@@ -140,17 +138,16 @@ def test_carried_values_arrive_summed_over_ranks_after_the_backward(world, hook)
 
 
 def test_the_carried_value_rides_the_reduction_without_a_collective_of_its_own(world):
-    """With a transport, a carrying backward runs one reduction per bucket on the transport's
-    group and nothing else: the value travels in the last bucket's tail."""
+    """A carrying backward adds no collective: the value rides the last bucket's tail."""
     for r in worlds.outcome(world(2), "no_extra_collective"):
         assert r["other_groups"] == [] and r["reductions"] == r["buckets"]
         assert r["flag"] == 2
 
 
 def test_beside_a_torch_hook_the_flags_and_buffers_skip_the_backend(world):
-    """With a torch hook on CPU, a backward's only backend collectives are the hook's, one per
-    bucket: the used flags, the carried value and rank 0's buffers go through the default
-    transport kept beside it, registered or given to the constructor alike."""
+    """With a torch hook, registered or given, the backend sees only its one call per bucket."""
+    # The used flags, the carried value and rank 0's buffers go through the default transport
+    # kept beside the hook.
     for r in worlds.outcome(world(2), "torch_hook_collectives"):
         for how in ("registered", "given"):
             assert r[how]["backend"] == r[how]["buckets"], how
@@ -158,8 +155,7 @@ def test_beside_a_torch_hook_the_flags_and_buffers_skip_the_backend(world):
 
 
 def test_a_world_of_one_returns_its_own_value(tmp_path, monkeypatch):
-    """At world size 1 the carried value comes back as it was given, through a transport and
-    through a torch hook alike."""
+    """At world size 1 the carried value comes back as given, via a transport or a torch hook."""
     monkeypatch.setenv("DDPTRAIN_INIT_METHOD", f"file://{tmp_path / 'store'}")
     ddptrain.init_distributed(backend="gloo")
     for hook in ("default", "torch_allreduce"):

@@ -136,8 +136,7 @@ def test_averaged_gradients_within_ulps_of_the_exact_mean(world, case):
 
 
 def test_channels_last_gradients_are_nhwc_bucket_views_with_the_exact_mean(world):
-    """A channels_last LeNet: each .grad is a bucket view laid out as its weight (no transposing
-    copy), and the averaged gradients are within 3 ulps of the exact mean."""
+    """channels_last LeNet: each .grad is an NHWC bucket view, within 3 ulps of the exact mean."""
     for r in worlds.outcome(world(WORLD_SIZE), "channels_last"):
         assert max(r["ours"].values()) <= ULPS
         assert any(nhwc for nhwc, _, _ in r["layouts"])
@@ -145,8 +144,8 @@ def test_channels_last_gradients_are_nhwc_bucket_views_with_the_exact_mean(world
 
 
 def test_channels_last_with_bf16_buckets_pairs_each_element_with_its_own(world):
-    """bf16 buckets for a channels_last LeNet: gradients within bf16 rounding of the exact mean
-    (an element paired with another in the casts would be off by its whole magnitude)."""
+    """bf16 buckets for a channels_last LeNet: grads are within bf16 rounding of the exact mean."""
+    # An element paired with another in the casts would be off by its whole magnitude.
     # Each rank's gradient and the sum are rounded to bf16 (8 bits: 2^16 float32 ulps each):
     # within ws/2 + 1 bf16 ulps of the magnitude; 2 * ws allowed.
     bf16_bound = 2 * ULPS * 2**16
@@ -239,8 +238,7 @@ def _powersgd_on(group, rank: int) -> float:
 
 
 def test_subgroup_of_ranks_1_and_2_trains_like_official_ddp(world):
-    """process_group=[1, 2] of 3: weights start from rank 1 and equal official DDP bitwise;
-    with PowerSGD, ddptrain's hook on that group ends within POWERSGD_ATOL of torch's."""
+    """process_group=[1, 2] of 3 equals official DDP bitwise; PowerSGD within POWERSGD_ATOL."""
     results = worlds.outcome(world(WORLD_SIZE), "subgroup")
     assert results[0] is None
     for r in results[1:]:

@@ -86,24 +86,22 @@ def runs() -> list[dict]:
 
 
 def test_every_grad_lies_in_its_bucket_after_each_step(runs):
-    """After every synchronized backward, each .grad is a view of a bucket's memory, the
-    first step (whose buckets are rebuilt) included."""
+    """Each .grad is a bucket view after every synced backward, the first (rebuilt) included."""
     for rank in runs:
         for run in rank.values():
             assert run["in_buckets"] == [True] * STEPS
 
 
 def test_the_grads_are_the_micro_batches_mean(runs):
-    """Each step's .grad is the mean of all ranks' micro-batch gradients, within float32
-    rounding of a float64 replay in one process."""
+    """Each step's .grad is the ranks' micro-batch mean, within 1e-5 of a float64 replay."""
     for rank in runs:
         for run in rank.values():
             assert max(run["errors"]) < 1e-5, run["errors"]
 
 
 def test_a_grad_kept_between_steps_gives_the_same_bits(runs):
-    """zero_grad(set_to_none=False) keeps last step's .grad in its slot, where autograd adds
-    the next micro-batch: the run ends on the same bits as with set_to_none=True."""
+    """zero_grad(set_to_none=False) ends on the same bits as set_to_none=True."""
+    # The kept .grad stays in its slot, where autograd adds the next micro-batch.
     for rank in runs:
         kept, dropped = rank["kept"]["params"], rank["dropped"]["params"]
         assert all(torch.equal(a, b) for a, b in zip(kept, dropped, strict=True))
@@ -140,8 +138,8 @@ def _kept_branch_grad() -> dict:
 
 
 def test_a_kept_grad_of_a_layer_the_next_step_skips_stays_as_it_was():
-    """Without zero_grad, a layer no micro-batch of the next step reaches keeps its .grad (as
-    under torch's DDP), though that .grad lay in the slot the next step zeroes and sums."""
+    """Without zero_grad, a layer the next step skips keeps its .grad, as under torch's DDP."""
+    # That .grad lay in the slot the next step zeroes and sums into.
     for rank in ddptrain.spawn(_kept_branch_grad, WORLD, timeout_s=240):
         first, second = rank["after"]
         assert first.abs().sum() > 0

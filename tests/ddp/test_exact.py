@@ -32,8 +32,7 @@ def _sum_in_groups(terms: list[torch.Tensor], shift: int, groups: list[list[int]
 
 
 def test_fixed_point_sums_do_not_depend_on_grouping_or_order():
-    """The same terms split over 1, 2, 3 or 4 'ranks', in any order, sum to the same integers,
-    and their float32 mean is bitwise the same; a float32 sum in those orders is not."""
+    """Any split over 1-4 ranks, any order: same integers and mean bitwise; float32 sums vary."""
     terms = _terms()
     shift = exact.fixed_point_shift(max(t.abs().max().item() for t in terms))
     order = list(range(len(terms)))
@@ -53,8 +52,7 @@ def test_fixed_point_sums_do_not_depend_on_grouping_or_order():
 
 
 def test_fixed_point_mean_is_within_its_grid_of_the_exact_mean():
-    """Each element of the mean is within one grid step (2**-shift) plus one float32 rounding
-    of the float64 mean."""
+    """Each mean element is within 2**-shift plus one float32 rounding of the float64 mean."""
     terms = _terms(n=5)
     shift = exact.fixed_point_shift(max(t.abs().max().item() for t in terms))
     acc = _sum_in_groups(terms, shift, [list(range(5))])
@@ -66,8 +64,7 @@ def test_fixed_point_mean_is_within_its_grid_of_the_exact_mean():
 
 
 def test_a_term_beyond_the_bound_overflows_and_is_reported():
-    """A term at the bound (at least 2**HEADROOM_BITS times the reference) is summed; one
-    beyond it is reported as an overflow, and so is a NaN."""
+    """A term at the bound (>= 2**HEADROOM_BITS) is summed; one beyond it, or a NaN, overflows."""
     shift = exact.fixed_point_shift(1.0)
     bound = exact.term_bound(shift)
     assert bound >= 2.0**exact.HEADROOM_BITS
@@ -78,9 +75,7 @@ def test_a_term_beyond_the_bound_overflows_and_is_reported():
 
 
 def test_float64_accumulators_give_the_int64_sums_and_refuse_what_they_cannot_hold():
-    """add_fixed_float (first, middle and last terms) gives add_fixed's integers bitwise, a
-    channels_last accumulator too; a term beyond the room it is given, or a NaN, leaves the
-    accumulator and the term as they were and returns None."""
+    """add_fixed_float gives add_fixed's integers bitwise; a NaN or too-large term is a no-op."""
     terms = _terms(n=6, numel=2 * 3 * 5 * 7 * 11)
     shift = exact.fixed_point_shift(max(t.abs().max().item() for t in terms))
     for shape, fmt in (
@@ -136,10 +131,9 @@ def _sum_large(terms: list[torch.Tensor], shift: int, refused: torch.Tensor) -> 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_compiled_pass_gives_the_eager_integers(monkeypatch, dtype):
-    """A gradient larger than a piece goes through one compiled pass (torch.compile): the
-    same integers as the eager operations, and a refused term (beyond the room: the pass has
-    added it, clamped, and takes it back; or a NaN) leaves the sum as it was; add_fixed leaves
-    its term as it was, a float64 one too."""
+    """The compiled pass gives the eager integers; a too-large or NaN term leaves the sum alone."""
+    # A gradient over one PIECE takes one compiled pass, which adds a too-large term clamped and
+    # then takes it back.
     g = torch.Generator().manual_seed(5)
     numel = 3 * exact.PIECE + 17
     terms = [
@@ -163,8 +157,7 @@ def test_the_compiled_pass_gives_the_eager_integers(monkeypatch, dtype):
 
 
 def test_exact_norm_is_the_same_bits_however_the_gradient_is_split():
-    """The norm of one gradient cut into pieces of any sizes, in any order, is bitwise the
-    same, and within 1e-6 of the float64 norm; inf and NaN give inf."""
+    """The exact norm is bitwise equal however split, within 1e-6 of float64; inf/NaN give inf."""
     g = torch.randn(100_003, generator=torch.Generator().manual_seed(2)) * 3e-2
     whole = norm.exact_norm([g])
     for sizes in (1000, 4097, 33_333):
@@ -185,9 +178,7 @@ def test_the_shift_keeps_the_headroom_for_any_reference(reference):
 
 
 def test_many_tensors_at_once_give_one_at_a_time_bits():
-    """add_fixed_floats (small and large tensors, channels_last, first, middle and last terms)
-    gives add_fixed_float's integers and peaks bitwise; what it refuses (bf16, NaN, a term
-    beyond its room) it leaves as it was, as add_fixed_float does."""
+    """add_fixed_floats gives add_fixed_float's integers and peaks bitwise, refusals alike."""
     g = torch.Generator().manual_seed(3)
     shapes = [(7,), (0,), (40, 20, 5, 5), (300, 1000), (100, 640), (3,), (5,), (4,)]
     shift = exact.fixed_point_shift(4.0)
@@ -218,10 +209,8 @@ def test_many_tensors_at_once_give_one_at_a_time_bits():
 
 @pytest.mark.parametrize("in_one_pass", [True, False])
 def test_means_at_once_give_mean_from_fixed_bits(monkeypatch, in_one_pass):
-    """means_from_fixed gives mean_from_fixed's float32 means bitwise (counts that are powers of
-    two, which it folds into the scaling, and counts that are not, which round), channels_last
-    and large tensors too (by the compiled pass, and by eager operations); and again with each
-    out in its own accumulator's first bytes, by both functions."""
+    """means_from_fixed gives mean_from_fixed's float32 means bitwise, also written in place."""
+    # Power-of-two counts fold into the scaling and other counts round: both are covered.
     if in_one_pass:
         assert compiled.kernel("mean", torch.float32) is not None
     else:
@@ -263,9 +252,7 @@ def _first_bytes(acc: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("parts", [1, 3, 4])
 def test_means_of_parts_written_into_a_bucket_give_whole_slot_means(parts):
-    """A bucket cut into `parts` arbitrary parts, each part's means_of_part writes applied to
-    a copy of the bucket: every parameter's mean in its slot's first bytes is means_from_fixed's
-    on the whole slot, bitwise (float32, float64 and bfloat16), and the tail's sums are kept."""
+    """means_of_part over any cut of a bucket gives whole-slot means bitwise and keeps the tail."""
     g = torch.Generator().manual_seed(9)
     params = [(700, torch.float32), (5, torch.float64), (1201, torch.bfloat16), (64, torch.float32)]
     tail_numel = 7

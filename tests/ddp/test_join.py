@@ -137,8 +137,7 @@ def test_replicas_agree_after_join(world, world_size):
 
 
 def test_cast_transports_under_join_equal_zero_gradient_steps(world):
-    """With bf16/fp16 transports a joined rank is bitwise a rank adding zero gradients, using
-    nothing."""
+    """With bf16/fp16 transports a joined rank is bitwise a rank adding zero gradients."""
     results = worlds.outcome(world(2), "cast")
     for name, _, hook_name in CAST_CASES[2]:
         key = (name, hook_name, True)

@@ -162,8 +162,7 @@ def _case_disabled(info) -> dict:
 
 
 def test_sync_batchnorm_under_join_equals_one_process_on_active_batches(world):
-    """SyncBatchNorm with a joined rank, on its own group or the model's: equal to one process
-    on the active ranks' batches."""
+    """SyncBatchNorm under join, on any group, equals one process on the active ranks' batches."""
     results = worlds.outcome(world(2), "sbn")
     for name, _, hook_name, divide, group in SBN_CASES:
         diffs = [r[name]["max_diff"] for r in results]
@@ -172,16 +171,15 @@ def test_sync_batchnorm_under_join_equals_one_process_on_active_batches(world):
 
 
 def test_a_torch_hook_on_the_group_sync_batchnorm_uses_is_refused(world):
-    """A torch hook reducing on SyncBatchNorm's group would interleave with its backward: a
-    clear error at registration, naming the way out."""
+    """A torch hook on SyncBatchNorm's group is refused at registration, naming the way out."""
+    # Its reductions would interleave with SyncBatchNorm's backward.
     for r in worlds.outcome(world(2), "torch_hook_on_sbn_group"):
         assert "a group of its own" in (r or ""), r
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_round_cut_short_while_others_accumulate_is_deferred_not_mismatched(world, world_size):
-    """Accumulation rounds that end early on a rank out of data: no hang, equal to one process
-    summing every rank's round mean, deferred exactly where another rank still accumulates."""
+    """A round cut short on a rank is deferred where others accumulate, and equals one process."""
     results = worlds.outcome(world(world_size), "rounds")
     for name, _, _, _, deferred in ROUND_CASES[world_size]:
         diffs = [r[name]["max_diff"] for r in results]
@@ -204,8 +202,7 @@ def test_throw_on_early_termination_raises_on_every_rank(world, world_size):
 
 
 def test_enable_false_is_a_no_op(world):
-    """join(enable=False) adds no collective: a lone forward passes, and even inputs train
-    exactly as without join."""
+    """join(enable=False) adds no collective: a lone forward passes, even inputs train as before."""
     assert all(r["equal"] for r in worlds.outcome(world(2), "disabled"))
 
 

@@ -305,8 +305,7 @@ def test_cases_that_keep_autograds_tensor_equal_official_ddp_bitwise(world, case
 
 
 def test_autograd_grad_through_the_wrapper_returns_local_gradients_and_spoils_no_slot(world):
-    """torch.autograd.grad (w.r.t. a weight, or the input before a backward as in adversarial
-    training) equals the plain model's, and the next backward equals official DDP's bitwise."""
+    """autograd.grad through the wrapper is local; the next backward equals official DDP bitwise."""
     for r in worlds.outcome(world(2), "autograd_grad"):
         assert r["weight_grad_is_local"]
         assert r["bitwise"], r["worst_ulps"]

@@ -13,9 +13,7 @@ from ddptrain.models import LeNet
 
 
 def test_statistics_summed_over_ranks_regions_equal_the_all_gathered_ones(tmp_path):
-    """Three simulated ranks write their micro-batches' statistics into regions; the regions'
-    integer sum, combined, gives the running statistics one rank running all six micro-batches
-    gets from combine's own gather, bitwise, and they moved from the start."""
+    """Statistics regions summed over 3 ranks equal one rank's gathered statistics bitwise."""
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
     torch.manual_seed(0)
     net = LeNet(width=1, batchnorm=True, dropout=0.2)

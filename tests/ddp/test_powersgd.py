@@ -262,9 +262,8 @@ world = worlds.fixture(CASES, {WORLD_SIZE: list(CASES)}, timeout_s=300)
 # ------------------------------------------------------------------------------ tests
 @pytest.mark.parametrize("rank", [2, 4])
 def test_powersgd_equals_torchs_within_rounding(world, rank):
-    """ddptrain's PowerSGD hook ends within TORCH_ATOL of torch's powerSGD_hook (same model,
-    buckets, seed), through shared memory and through the TCP ring; both far from the
-    uncompressed run, so the compression really ran."""
+    """PowerSGD ends within TORCH_ATOL of torch's powerSGD_hook, over shared memory and TCP."""
+    # Both must end far from the uncompressed run, so the compression really ran.
     for r in worlds.outcome(world(WORLD_SIZE), "equal_to_torch"):
         assert r["buckets"] >= 3
         theirs = r[f"torch_r{rank}"]
@@ -282,9 +281,8 @@ def test_powersgd_equals_torchs_within_rounding(world, rank):
 
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_powersgd_options_turned_off_equal_torchs(world, option):
-    """Without warm start (a new random Q every step) or without error feedback, ddptrain's
-    hook ends within TORCH_ATOL of torch's with the same option off, and that option made a
-    difference: both end far from the run with every option on."""
+    """With warm start or error feedback off, PowerSGD is within TORCH_ATOL of torch's likewise."""
+    # Both must end far from the run with every option on, so the option made a difference.
     for r in worlds.outcome(world(WORLD_SIZE), "options"):
         ours, theirs = r[option]["ours"], r[option]["torch"]
         diff = (ours - theirs).abs().max().item()
@@ -301,16 +299,14 @@ def test_powersgd_options_turned_off_equal_torchs(world, option):
 
 
 def test_before_start_step_buckets_are_averaged_uncompressed(world):
-    """Before start_step the hook averages every bucket as it is: bitwise the wrapper's
-    all_reduce transport."""
+    """Before start_step buckets are averaged uncompressed: bitwise the all_reduce transport."""
     for r in worlds.outcome(world(WORLD_SIZE), "uncompressed_phase"):
         assert torch.equal(r["ours"], r["plain"])
 
 
 def test_torchs_powersgd_runs_overlapped_over_several_buckets(world):
-    """torch's powerSGD_hook, registered on the wrapper over three buckets: bucket 0's hook
-    runs on the communication thread while backward computes the input's gradient, the last
-    bucket's on the thread that waits; no error on gloo, replicas bitwise equal."""
+    """torch's powerSGD_hook over 3 buckets overlaps backward on gloo; replicas bitwise equal."""
+    # Bucket 0's hook runs on the comm thread during backward, the last bucket's on the waiting one.
     results = worlds.outcome(world(WORLD_SIZE), "torch_hook_overlaps")
     for r in results:
         assert r["seen"] == [True] * STEPS
@@ -324,8 +320,7 @@ def test_torchs_powersgd_runs_overlapped_over_several_buckets(world):
 
 
 def test_hook_pair_is_register_comm_hook_and_names_build_the_default(world):
-    """DDP(comm_hook=(state, hook)) trains bitwise as register_comm_hook(state, hook), refuses
-    a second hook as torch does, and comm_hook="powersgd" means rank 4 from step 100."""
+    """comm_hook=(state, hook) is register_comm_hook bitwise; "powersgd" is rank 4 from step 100."""
     for r in worlds.outcome(world(WORLD_SIZE), "pair_equals_register"):
         assert torch.equal(r["paired"], r["registered"])
         assert "can only be called once" in r["again"]
@@ -333,9 +328,8 @@ def test_hook_pair_is_register_comm_hook_and_names_build_the_default(world):
 
 
 def test_powersgd_beside_sync_batchnorm_on_channels_last_weights(world):
-    """With SyncBatchNorm on the default group, ddptrain's PowerSGD trains (its sums use a
-    transport of its own; torch's hook on that group is refused), compresses channels_last
-    conv weights, and replicas stay bitwise equal."""
+    """Beside SyncBatchNorm, PowerSGD compresses channels_last conv weights; replicas stay equal."""
+    # Its sums use a transport of its own; torch's hook on SyncBatchNorm's group is refused.
     results = worlds.outcome(world(WORLD_SIZE), "sync_batchnorm_and_channels_last")
     for r in results:
         assert r["buckets"] >= 2 and r["channels_last"]
@@ -348,16 +342,14 @@ def test_powersgd_beside_sync_batchnorm_on_channels_last_weights(world):
 
 
 def test_trainer_config_options_reach_the_hook(world):
-    """TrainerConfig(comm_hook="powersgd", powersgd_rank, powersgd_start_step) builds
-    ddptrain's hook with those options."""
+    """TrainerConfig's powersgd_rank and powersgd_start_step reach ddptrain's PowerSGD hook."""
     for r in worlds.outcome(world(WORLD_SIZE), "trainer_config"):
         assert r["options"] == (3, 7) and r["hook"]
 
 
 # ------------------------------------------------------------------------------ pure
 def test_channels_last_weight_is_read_as_a_matrix_in_place():
-    """A channels_last conv gradient becomes an out_channels x rest view of its own memory,
-    each row the contiguous row's elements in another order."""
+    """A channels_last conv gradient is an out_channels x rest view of its own memory."""
     grad = torch.randn(8, 3, 5, 5)
     last = grad.to(memory_format=torch.channels_last)
     matrix = powersgd._as_matrix(last)

@@ -197,8 +197,7 @@ def _case_programs(info) -> dict:
 
 @pytest.mark.parametrize("name", PROGRAMS)
 def test_a_torch_ddp_program_ends_bitwise_equal_with_ddptrain(world, name):
-    """The same program with torch's DDP and with ddptrain's ends with the same bits, and
-    every rank holds the same parameters."""
+    """A program ends on the same bits with torch's DDP and ddptrain's, on every rank alike."""
     results = worlds.outcome(world(WORLD_SIZE), "programs")
     for r in results:
         assert r[name]["bitwise"], name
@@ -279,10 +278,9 @@ def _case_wrappers(info) -> dict:
 
 @pytest.mark.parametrize("name", WRAPPERS)
 def test_torch_hook_wrappers_reduce_as_on_torch_ddp(world, name):
-    """torch's fp16/bf16_compress_wrapper around torch's hooks on ddptrain's DDP: set_buffer
-    rebinds the bucket, as torch's does, so the wrapped hook reduces the narrow copy and its
-    result comes back into the bucket: the first gradients and the parameters after 8 steps
-    are bitwise torch's DDP's, on every rank."""
+    """torch's fp16/bf16_compress_wrapper hooks give torch's DDP's grads and parameters bitwise."""
+    # set_buffer rebinds the bucket as torch's does: the wrapped hook reduces the narrow copy
+    # and its result comes back into the bucket.
     results = worlds.outcome(world(WORLD_SIZE), "wrappers")
     for rank, r in enumerate(results):
         ours, theirs = r[name]["ours"], r[name]["theirs"]
@@ -323,8 +321,7 @@ def _case_refusals(info) -> dict:
 
 
 def test_torch_arguments_err_as_torch_does(world):
-    """GPU ids for a CPU module: torch's own error; a second or late hook, mixed_precision:
-    one clear line each."""
+    """GPU ids on CPU raise torch's error; a second or late hook or mixed_precision, a clear one."""
     for r in worlds.outcome(world(WORLD_SIZE), "refusals"):
         for label in ("device_ids on CPU", "two device_ids"):
             ours, theirs = r[label]

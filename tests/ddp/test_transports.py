@@ -243,8 +243,7 @@ def _case_names(info) -> dict:
 
 
 def test_transport_names_and_errors(world):
-    """'allreduce' is the backend's all_reduce, 'x-bf16' casts around x; an unknown name lists
-    the valid ones."""
+    """'allreduce' is all_reduce, 'x-bf16' casts around x; an unknown name lists the valid ones."""
     for r in worlds.outcome(world(2), "names"):
         assert r["allreduce"] == "AllReduce"
         assert r["allreduce-bf16"] == ("AllReduce", torch.bfloat16)

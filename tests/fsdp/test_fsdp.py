@@ -302,9 +302,7 @@ world = worlds.fixture(
 @pytest.mark.parametrize("case", [f"{n}-{k}-{s}" for n, k, s in EQUALITY])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_bitwise_equal_to_the_ddp_wrapper_every_step(world, world_size, case):
-    """At ws <= 2, after every one of 12 steps the whole parameters equal the DDP wrapper's with
-    the same optimizer bitwise; the same gradients are None; the final optimizer state, in the
-    plain optimizer's layout, is equal; a forward then uses the same (rank 0's) buffers."""
+    """ws <= 2: params, None grads, state and buffers equal the DDP wrapper's bitwise each step."""
     for rank, r in enumerate(worlds.outcome(world(world_size), "equal_to_ddp")):
         d = r[case]
         print(f"{case} ws={world_size} rank={rank}: max|diff|={d['max_diff']:.3g}")
@@ -317,16 +315,13 @@ def test_bitwise_equal_to_the_ddp_wrapper_every_step(world, world_size, case):
 @pytest.mark.parametrize("case", [f"{n}-{k}-{s}" for n, k, s in EQUALITY])
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_gradient_norms_and_clipping_equal_the_ddp_wrappers(world, world_size, case):
-    """grad_norm(1, 2, inf) of the whole gradient equals torch's norm of the DDP wrapper's
-    gradient (NORM_RTOL; the inf-norm exactly), and after clip_grad_norm_ to half its inf-norm
-    both gradients have the same 2-norm."""
+    """grad_norm(1, 2, inf) and clipping equal the DDP wrapper's within NORM_RTOL (inf exactly)."""
     for rank, r in enumerate(worlds.outcome(world(world_size), "equal_to_ddp")):
         _check_norms(r[case], rank)
 
 
 def test_unused_and_frozen_parameters_keep_grad_none(world):
-    """A layer no rank uses and a frozen one have grad None; the branch only rank 1 takes does
-    get a gradient on both ranks (its mean), in the root unit or a unit of its own."""
+    """Unused and frozen layers keep grad None; a branch only rank 1 takes gets its mean on both."""
     for r in worlds.outcome(world(2), "equal_to_ddp"):
         assert r["branch-sgd-3"]["nones"][1] == ["never_used.weight", "never_used.bias"]
         assert r["branch_unit-sgd-3"]["nones"][1] == ["never_used.weight", "never_used.bias"]
@@ -335,9 +330,9 @@ def test_unused_and_frozen_parameters_keep_grad_none(world):
 
 @pytest.mark.parametrize("case", ["2", "3", "2-branch", "3-branch"])
 def test_gradient_accumulation_under_no_sync_is_bitwise_equal_to_ddp(world, case):
-    """Three micro-batches (two under no_sync) per step, 12 AdamW steps: bitwise equal, also
-    with a branch unit that only rank 1's micro-batches run (its whole gradient accumulates
-    there, rank 0 only pairs its gathers)."""
+    """Two of three micro-batches under no_sync, 12 AdamW steps: bitwise the DDP wrapper's."""
+    # Also with a branch unit only rank 1 runs: its gradient accumulates there, rank 0 only
+    # pairs its gathers.
     for rank, r in enumerate(worlds.outcome(world(2), "accumulation")):
         assert all(r[case]["steps_equal"]), (rank, r[case]["max_diff"])
         assert all(r[case]["none_equal"]), (rank, r[case]["nones"])
@@ -346,10 +341,9 @@ def test_gradient_accumulation_under_no_sync_is_bitwise_equal_to_ddp(world, case
 
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_synchronized_backwards_accumulate_like_the_ddp_wrapper(world, stage):
-    """Three synchronized backwards per step, no zero_grad between them: each adds its mean to
-    the shards' .grad, as to the DDP wrapper's .grad; 12 SGD steps of the tanh MLP end within
-    SMOOTH_ATOL (the wrappers round the running sum differently: (m1 + g2_r) / 2 summed over
-    ranks against m1 + the mean of g2)."""
+    """Synced backwards without zero_grad accumulate like the DDP wrapper, within SMOOTH_ATOL."""
+    # The wrappers round the running sum differently: (m1 + g2_r) / 2 summed over ranks
+    # against m1 + the mean of g2.
     for rank, r in enumerate(worlds.outcome(world(2), "accumulation")):
         d = r[f"{stage}-synced"]
         print(f"synced accumulation stage {stage} rank={rank}: max|diff|={d['max_diff']:.3g}")
@@ -357,16 +351,14 @@ def test_synchronized_backwards_accumulate_like_the_ddp_wrapper(world, stage):
 
 
 def test_equal_to_torch_fully_shard(world):
-    """torch's fully_shard (each Linear and the root) and ours (ZeRO-3) with AdamW: the whole
-    parameters after each of 12 steps are bitwise equal at ws=2."""
+    """ZeRO-3 with AdamW equals torch's fully_shard bitwise after each of 12 steps at ws=2."""
     for rank, r in enumerate(worlds.outcome(world(2), "fully_shard")):
         print(f"vs fully_shard rank={rank}: max|diff|={r['max_diff']:.3g}")
         assert all(r["steps_equal"]), (rank, r["steps_equal"], r["max_diff"])
 
 
 def test_one_step_gradients_at_ws3_within_rounding_of_the_mean_and_ddp(world):
-    """At ws=3 each shard's gradient is within WS3_ULPS ulps of mean_r|g_r| of the exact mean
-    and of the DDP wrapper's."""
+    """At ws=3 each shard's gradient is within WS3_ULPS of the exact mean and the DDP wrapper's."""
     for rank, r in enumerate(worlds.outcome(world(3), "one_step_ws3")):
         for name, worst in r.items():
             exact, ddp = worst["exact"], worst["ddp"]
@@ -383,9 +375,7 @@ def test_smooth_model_at_ws3_stays_within_rounding_of_ddp(world):
 
 @pytest.mark.parametrize("case", [f"{n}-{k}-{s}" for n, k, s in SUBGROUP])
 def test_on_a_subgroup_bitwise_equal_to_the_ddp_wrapper_on_it(world, case):
-    """On process_group = ranks [1, 2] of 3, the sharded wrapper trains as the DDP wrapper on
-    that group, bitwise after every step (gradients are the mean over the group's 2 ranks, not
-    the world's 3), from the group's rank 0's weights; rank 0 takes no part."""
+    """On process_group=[1, 2] of 3 the sharded wrapper equals the DDP wrapper on it bitwise."""
     results = worlds.outcome(world(3), "subgroup")
     assert results[0] is None
     for rank, r in enumerate(results[1:], start=1):

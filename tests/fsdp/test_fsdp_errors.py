@@ -80,8 +80,6 @@ ERRORS = {
 
 @pytest.mark.parametrize("case", list(ERRORS))
 def test_misuse_is_a_clear_error_on_every_rank(world, case):
-    """Comm hooks, join, the module called directly, a state_dict between forward and
-    backward, a second backward, a unit run twice, mixed dtypes in a unit, a foreign optimizer
-    and a wrong shape each raise, naming the fix, on every rank (no hang)."""
+    """Each misuse raises an error naming the fix on every rank, with no hang."""
     messages = [r[case] for r in worlds.outcome(world(2), "errors")]
     assert all(m is not None and ERRORS[case] in m for m in messages), messages

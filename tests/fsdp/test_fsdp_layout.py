@@ -39,9 +39,8 @@ def test_every_element_lies_in_exactly_one_rank_piece(numels, world_size):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
 def test_shards_are_equal_balanced_and_cut_on_aligned_elements(world_size):
-    """Every part has shard_numel elements (a multiple of ALIGN, within ALIGN x parameters of
-    total / world_size); every piece starts on an aligned element of its parameter and of the
-    shard, so vectorised loops see the whole tensor's alignment."""
+    """Shards are equal ALIGN multiples near total / world_size, and every piece starts aligned."""
+    # Aligned starts let vectorised loops see the whole tensor's alignment.
     layout = flat_layout(MLP_NUMELS, world_size)
     assert layout.shard_numel % ALIGN == 0
     padding = ALIGN * (len(MLP_NUMELS) + 1)
@@ -71,8 +70,8 @@ def test_size_policy_takes_modules_with_enough_parameters_bottom_up():
 
 
 def test_containers_are_never_units():
-    """A ModuleList has no forward of its own to hook: the size policy passes its count up to
-    the module that calls into it, and naming one in units= is refused with the reason."""
+    """A ModuleList is never a unit: its count goes to its caller, and units= refuses it."""
+    # A ModuleList has no forward of its own to hook.
 
     class Stack(nn.Module):
         def __init__(self) -> None:
@@ -88,8 +87,7 @@ def test_containers_are_never_units():
 
 
 def test_tied_weight_belongs_to_the_unit_around_both_users():
-    """The weight shared by TiedNet's embedding and output layer goes to the root unit when
-    they are units of their own; each parameter is listed once, with every holder."""
+    """TiedNet's shared weight goes to the root unit, listed once with every holder."""
     model = toy_models.make("tied")
     groups = group_parameters(model, [model, model.embed, model.out, model.hidden])
     names = [[ref.name for ref in group] for group in groups]
@@ -127,6 +125,5 @@ def test_every_parameter_goes_to_its_innermost_unit():
 def test_the_gather_schedule_keeps_the_forwards_order_and_places_skipped_units(
     ran, count, expected
 ):
-    """forward_order: the units a forward ran keep its order, each unit it skipped comes right
-    after the unit before it in module order (unit 0 first), every unit exactly once."""
+    """forward_order keeps the forward's order and puts each skipped unit after its predecessor."""
     assert forward_order(ran, count) == expected

@@ -129,8 +129,7 @@ world = worlds.fixture(
 # ---------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_each_rank_holds_its_share_of_parameters_and_state(world, world_size):
-    """Parameters and AdamW state per rank are total / world_size, plus at most 64 elements of
-    alignment per parameter and unit; the size policy made the three layers units."""
+    """Each rank holds total / world_size parameters and AdamW state, plus alignment slack."""
     results = worlds.outcome(world(world_size), "memory")
     total = results[0]["total"]
     for r in results:
@@ -143,9 +142,7 @@ def test_each_rank_holds_its_share_of_parameters_and_state(world, world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_plain_states_load_at_any_world_size_and_come_back_bitwise(world, world_size):
-    """A plain module's state_dict and a plain AdamW's load into the sharded wrapper and its
-    optimizer at ws 2 and 3; state_dict() and optim_state_dict() give them back bitwise, in
-    the plain layouts (channels_last strides, the tied weight under both names)."""
+    """Plain model and AdamW states load at ws 2 and 3 and come back bitwise, in plain layouts."""
     for rank, r in enumerate(worlds.outcome(world(world_size), "states")):
         for name, d in r.items():
             assert d["model"] and d["optimizer"] == 0.0, (rank, name, d)
@@ -165,11 +162,8 @@ def _unit_bytes(world_size: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_zero3_frees_units_between_forward_and_backward(world, world_size):
-    """Between a training forward and its backward ZeRO-3 holds only the root unit gathered
-    (its backward runs first) and ZeRO-2 every unit, each at its whole (padded) size; after the
-    backward, a forward under no_grad, state_dict(), optim_state_dict() and summon_full_params
-    (inside which every unit is whole, a forward there included), no unit holds gathered
-    parameters."""
+    """Before backward ZeRO-3 holds only the root unit gathered, ZeRO-2 all; afterwards, none."""
+    # The root unit stays gathered because its backward runs first.
     whole = _unit_bytes(world_size)
     none = dict.fromkeys(whole, 0)
     root_only = {**none, "": whole[""]}

@@ -310,9 +310,7 @@ def test_ranks_with_different_parameters_get_the_same_error(ws2):
 
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
 def test_on_a_subgroup_bitwise_equal_to_unsharded_on_it(ws3, opt_name):
-    """With process_group = ranks [1, 2] of 3 (the wrapper's too), 20 steps equal the plain
-    optimizer's bitwise (each rank steps half of the state, shared within the group), replicas
-    agree after every step, each rank holds half of the state; rank 0 takes no part."""
+    """Ranks [1, 2] of 3: 20 steps equal the plain optimizer bitwise, each rank half the state."""
     assert ws3[0]["subgroup"] is None
     shares = []
     for rank, r in enumerate(ws3[1:], start=1):

@@ -83,8 +83,8 @@ def test_one_process_without_a_process_group():
 
 @pytest.mark.parametrize("kind", [torch.optim.Adagrad, torch.optim.AdamW, torch.optim.SGD])
 def test_from_optimizer_takes_a_fresh_optimizer_even_one_that_fills_state_when_built(kind):
-    """from_optimizer accepts any optimizer that has not stepped (Adagrad builds its state,
-    step 0, in __init__), trains like it, and refuses one that has stepped."""
+    """from_optimizer takes any optimizer that has not stepped, trains like it, refuses the rest."""
+    # Adagrad builds its state (step 0) in __init__, yet has not stepped.
     torch.manual_seed(0)
     a, b = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
     b.load_state_dict(a.state_dict())

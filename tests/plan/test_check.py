@@ -27,8 +27,8 @@ def _prediction(strategy: str, steps: dict[int, float], peak: int = 1) -> Predic
 
 
 def test_pick_and_largest_efficient_world_size():
-    """The fastest fitting strategy is picked, and the largest world size whose pick keeps
-    one-rank step / step >= 0.8 is reported (1.0 / 1.25 = 0.8 counts)."""
+    """The fastest fitting strategy is picked; the largest world size keeps efficiency >= 0.8."""
+    # Efficiency is one-rank step / step: 1.0 / 1.25 = 0.8 exactly still counts.
     ddp = _prediction("ddp", {1: 1.0, 2: 1.1, 4: 1.4, 8: 2.0})
     zero3 = _prediction("zero3", {1: 1.2, 2: 1.2, 4: 1.25, 8: 1.9})
     set_efficiency([ddp, zero3], 1.0)
@@ -56,9 +56,7 @@ def test_picks_against_measured_best():
 
 
 def test_within_five_percent_of_the_fastest_the_simplest_strategy_is_picked():
-    """Strategies predicted within 5% of the fastest are ties: DDP is picked over PowerSGD 3%
-    faster, ZeRO-1 over ZeRO-3 and PowerSGD; past 5% the fastest wins; the check's picks
-    follow the same rule."""
+    """Within 5% of the fastest prediction the simplest strategy is picked; past 5%, the fastest."""
     ddp = _prediction("ddp", {2: 1.03, 4: 1.07})
     zero1 = _prediction("zero1", {2: 1.04, 4: 1.02})
     zero3 = _prediction("zero3", {2: 1.20, 4: 1.00})
@@ -76,8 +74,7 @@ def test_within_five_percent_of_the_fastest_the_simplest_strategy_is_picked():
 
 
 def test_strategies_predicted_within_five_percent_of_the_pick_are_named():
-    """The plan names the fitting strategies predicted at most 5% slower than its pick (and
-    not those beyond, nor one that does not fit), on the command line's choice line too."""
+    """Fitting strategies predicted at most 5% slower than the pick are named, and no others."""
     ddp = _prediction("ddp", {2: 1.00})
     zero1 = _prediction("zero1", {2: 1.05})
     zero3 = _prediction("zero3", {2: 1.06})
@@ -91,8 +88,8 @@ def test_strategies_predicted_within_five_percent_of_the_pick_are_named():
 
 @pytest.mark.slow
 def test_lenet_ddp_at_two_ranks_is_predicted_within_wide_bounds():
-    """LeNet with DDP on two local ranks: predicted peak memory within 25% of the measured, and
-    step time within a factor of 2 (wide: other programs share the machine's cores)."""
+    """LeNet DDP at 2 ranks: predicted peak memory within 25% of measured, step time within 2x."""
+    # The step bound is wide: other programs share the machine's cores.
     result = plan("lenet", strategies=["ddp"], world_sizes=[2], link="local", device="cpu")
     point = result.predictions[0].at(2)
     measured = run_local(Setup(model="lenet", strategy="ddp"), 2, Steps(2, 4, 2))
@@ -103,8 +100,7 @@ def test_lenet_ddp_at_two_ranks_is_predicted_within_wide_bounds():
 
 
 def test_a_block_takes_as_many_steps_as_fill_its_seconds():
-    """A block takes `block` steps at least, more where the warm-up step fits several times in
-    `block_s`, at most MAX_BLOCK; block_s 0 keeps `block`."""
+    """A block is `block` steps or more to fill `block_s`, at most MAX_BLOCK; block_s 0 keeps it."""
     assert block_steps(Steps(3, 6, 2, 0.5), 0.015) == 34
     assert block_steps(Steps(3, 6, 2, 0.5), 0.4) == 2
     assert block_steps(Steps(3, 6, 4, 0.5), 0.2) == 4
@@ -115,8 +111,7 @@ def test_a_block_takes_as_many_steps_as_fill_its_seconds():
 def test_json_prints_each_configurations_numbers_and_the_tables_go_to_stderr(
     monkeypatch, tmp_path, capsys
 ):
-    """`--json` prints, per configuration, the predicted step seconds and peak bytes on stdout
-    (what a program reads); the human table and the text chart go to stderr."""
+    """`--json` prints each configuration's step seconds and peak bytes; the tables go to stderr."""
     import json
 
     import ddptrain.plan
@@ -136,8 +131,7 @@ def test_json_prints_each_configurations_numbers_and_the_tables_go_to_stderr(
 
 
 def test_the_chart_is_a_png_of_the_predictions(tmp_path):
-    """plot() draws every strategy's step time and memory into a PNG (matplotlib is a dev
-    dependency) and says it did."""
+    """plot() draws every strategy's step time and memory into a PNG and says it did."""
     pytest.importorskip("matplotlib")
     predictions = [_prediction("ddp", {1: 1.0, 2: 1.1}), _prediction("zero3", {1: 1.2, 2: 1.3})]
     set_efficiency(predictions, 1.0)
@@ -147,8 +141,7 @@ def test_the_chart_is_a_png_of_the_predictions(tmp_path):
 
 
 def test_a_failed_run_is_run_once_more_and_a_second_failure_is_raised(capsys):
-    """A run whose ranks fail once is run again and its figures kept, with one line saying so;
-    one that fails twice raises the second failure."""
+    """A run failing once is rerun and kept, with one line saying so; a second failure is raised."""
     calls = []
 
     def flaky() -> dict:
@@ -170,8 +163,7 @@ def test_a_failed_run_is_run_once_more_and_a_second_failure_is_raised(capsys):
 
 
 def test_rounds_of_a_run_pool_their_blocks():
-    """Rounds of one setup make one measurement: the median over every round's blocks (not
-    the median of the rounds' medians), the largest peaks, each round's step kept."""
+    """Rounds pool into one measurement: median of all blocks (not of medians), largest peaks."""
     runs = [
         {"step_s": 1.0, "block_step_s": [1.0, 1.0, 5.0], "peak_bytes": 7,
          "rss_before_model_bytes": 3, "max_rss_bytes": 9},

@@ -23,8 +23,7 @@ from support.plan_profiles import MIB, bus, ddp_profile
 
 
 def test_cuda_meter_times_between_events_read_after_a_synchronize():
-    """start() waits for the device before its origin event, finish() synchronizes, and a
-    stamp's seconds are the events' elapsed time (10 ms of work between two stamps)."""
+    """CudaMeter synchronizes at start and finish; stamps read their events' elapsed time."""
     cuda = FakeCuda()
     meter = CudaMeter(cuda)
     meter.start()
@@ -40,8 +39,8 @@ def test_cuda_meter_times_between_events_read_after_a_synchronize():
 
 
 def test_cuda_meter_peak_is_the_allocators_after_a_reset():
-    """The peak is max_memory_allocated read after reset_peak_memory_stats, each behind a
-    synchronize (the device's queued work counted)."""
+    """The peak is max_memory_allocated after reset_peak_memory_stats, each behind a synchronize."""
+    # The synchronize makes the device's queued work count.
     cuda = FakeCuda(peak_bytes=7 * MIB, allocated_bytes=3)
     meter = CudaMeter(cuda)
     assert meter.reset_peak()
@@ -60,9 +59,8 @@ def fake_cuda_profiles():
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_profile_through_the_cuda_meter(fake_cuda_profiles, strategy):
-    """The profile's CUDA path on CPU tensors: spans positive and adding up to the step, every
-    mark (bucket or parameter ready) inside backward, memory the allocator's figures, and no
-    event read before a synchronize (the stand-in raises as CUDA does)."""
+    """The CUDA profile on CPU: spans sum to the step, marks lie in backward, allocator memory."""
+    # The stand-in raises, as CUDA does, on an event read before a synchronize.
     prof, calls = fake_cuda_profiles[strategy]
     assert prof["forward_s"] > 0 and prof["backward_s"] > 0 and prof["optimizer_s"] > 0
     parts = prof["forward_s"] + prof["backward_s"] + prof["optimizer_s"]
@@ -85,8 +83,8 @@ def test_profile_through_the_cuda_meter(fake_cuda_profiles, strategy):
 
 
 def test_profile_times_steps_until_the_wall_time_asked():
-    """A profile asked for 1.5 s of timed steps keeps stepping past TIMED_STEPS (LeNet's
-    step is far shorter than 1.5 s / TIMED_STEPS), and stops by its count and time."""
+    """A profile asked for 1.5 s keeps stepping past TIMED_STEPS and stops by its count and time."""
+    # LeNet's step is far shorter than 1.5 s / TIMED_STEPS.
     setups = [Setup(model="lenet", strategy="ddp").as_dict()]
     (found,) = ddptrain.spawn(measure_with_fake_cuda, 1, setups, MIB, 0, 1.5, timeout_s=240)
     prof = found[0][0]
@@ -107,9 +105,8 @@ class _SumLoss:
 
 @pytest.mark.parametrize(("device", "expected"), [("cpu", (3 * 8 + 3 * 16) * 4), ("cuda", 0)])
 def test_activations_count_the_storages_on_the_setups_device(device, expected):
-    """The saved-tensor count keeps the storages on the profiled device: on CPU the input and
-    the ReLU's output (the second Linear saves the same storage), (3x8 + 3x16) float32; asked
-    for CUDA storages, none of these CPU ones."""
+    """Saved-tensor bytes count only the profiled device's storages: (3x8 + 3x16) float32 on CPU."""
+    # Input and ReLU output only: the second Linear saves the ReLU's output storage again.
     model, x = _saving_toy()
     params = list(model.parameters())
     marks = Marks(CpuMeter(), model, params, [], param_hooks=False)
@@ -126,9 +123,8 @@ def _cuda_profile(**overrides: object):
 
 @pytest.mark.parametrize("world_size", [1, 2, 8])
 def test_cuda_memory_model_against_the_closed_form(world_size):
-    """On a GPU link a CUDA profile's DDP peak is P (parameters) + P (the buckets the
-    gradients are views of) + O + activations + the measured workspace, with no runtime
-    baseline, at every world size; ZeRO-1 holds O / n of the state."""
+    """A CUDA DDP peak is 2P + O + activations + workspace at any world size; ZeRO-1 holds O / n."""
+    # The second P is the buckets the gradients are views of; there is no runtime baseline.
     prof, n = _cuda_profile(), world_size
     ddp = peak_memory(Setup(strategy="ddp", device="cuda"), prof, bus(), n)
     assert ddp == {"runtime": 0, "params": 20 * MIB, "grads": 20 * MIB, "optimizer": 40 * MIB,
@@ -140,8 +136,7 @@ def test_cuda_memory_model_against_the_closed_form(world_size):
 
 
 def test_a_cuda_step_at_one_rank_is_its_profiled_spans():
-    """At world size 1 on a GPU link nothing is sent and no CPU is shared: the predicted
-    step is forward + backward + optimizer, whatever the link's bandwidth."""
+    """At world size 1 on a GPU link the step is forward + backward + optimizer, any bandwidth."""
     prof = _cuda_profile()
     for link in (bus(), bus(bytes_per_s=1.0, latency_s=1.0)):
         (point,) = predict(Setup(strategy="ddp", device="cuda"), prof, link, [1]).points
@@ -164,8 +159,7 @@ def test_device_cuda_without_cuda_fails_in_one_line(monkeypatch):
 
 
 def test_cuda_check_refuses_more_ranks_than_gpus(monkeypatch):
-    """With one GPU, --device cuda --check at world sizes 1,2 is refused in one line naming 2;
-    without --check those world sizes are planned on paper; CPU links are refused on cuda."""
+    """One GPU: --check at world size 2 is refused, paper planning is not; CPU links are refused."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     argv = ["--device", "cuda", "--world-sizes", "1,2"]
@@ -179,8 +173,7 @@ def test_cuda_check_refuses_more_ranks_than_gpus(monkeypatch):
 
 
 def test_cuda_check_runs_at_one_rank_and_compares(monkeypatch, tmp_path):
-    """--device cuda --check at world size 1 (the runs stood in for) predicts on the GPU link,
-    runs the CUDA setup once per strategy and writes predicted, measured and their ratios."""
+    """--device cuda --check at world size 1 runs each strategy once on CUDA and writes ratios."""
     import json
 
     import ddptrain.plan
@@ -208,8 +201,7 @@ def test_cuda_check_runs_at_one_rank_and_compares(monkeypatch, tmp_path):
 
 
 def test_check_rounds_take_turns_within_a_world_size(monkeypatch, tmp_path):
-    """--check --rounds 2 runs world size by world size, each strategy once a round, the
-    order reversed in the second round, and compares each setup's pooled blocks."""
+    """--check --rounds 2 runs each strategy once a round per world size, reversed in round 2."""
     import ddptrain.plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

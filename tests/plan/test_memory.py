@@ -32,8 +32,7 @@ TOY_PARAM_BYTES = (8 * 16 + 16 + 16 * 4 + 4) * 4
     ],
 )
 def test_optimizer_state_is_counted_as_the_closed_form(optimizer, expected):
-    """The profile's optimizer-state count after a step is 0 (SGD), P (momentum), 2P + counters
-    (AdamW) on a two-layer toy model."""
+    """Optimizer state after a step is 0 for SGD, P with momentum, 2P + step counters for AdamW."""
     model = _toy()
     opt = optimizer(model.parameters())
     model(torch.randn(3, 8)).sum().backward()
@@ -44,8 +43,7 @@ def test_optimizer_state_is_counted_as_the_closed_form(optimizer, expected):
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_held_bytes_per_zero_stage(world_size):
-    """Parameters, gradients and optimizer state per rank follow the ZeRO table: DDP all,
-    ZeRO-1 shards the state, ZeRO-2/3 shard all three."""
+    """Per-rank bytes follow the ZeRO table: DDP all, ZeRO-1 shards state, ZeRO-2/3 all three."""
     p, o, n = 1200, 2400, world_size
     assert memory.held("ddp", p, o, n) == {"params": p, "grads": p, "optimizer": o}
     assert memory.held("powersgd", p, o, n) == {"params": p, "grads": p, "optimizer": o}
@@ -59,8 +57,7 @@ def test_held_bytes_per_zero_stage(world_size):
 
 
 def test_sharded_unit_pads_each_parameter_and_the_shards():
-    """A unit of 3 + 5 elements: each parameter starts on a multiple of ALIGN, and the whole is
-    cut into world_size equal shards that are multiples of ALIGN."""
+    """A unit pads each parameter to ALIGN and cuts world_size equal shards of ALIGN multiples."""
     assert memory.unit_bytes([3, 5], 1, 4) == (2 * ALIGN * 4, 2 * ALIGN * 4)
     assert memory.unit_bytes([3, 5], 2, 4) == (2 * ALIGN * 4, ALIGN * 4)
     assert memory.unit_bytes([3, 5], 4, 4) == (4 * ALIGN * 4, ALIGN * 4)
@@ -91,8 +88,7 @@ def test_zero1_broadcasts_every_element_once(world_size):
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_ddp_and_zero1_peak_on_one_host(world_size):
-    """DDP's peak is the measured one-rank peak plus (n-1)/n of both 10 MiB shared buckets;
-    ZeRO-1's is that less the optimizer state other ranks own."""
+    """DDP's peak is one rank's plus (n-1)/n of both 10 MiB buckets; ZeRO-1's less others' state."""
     prof = ddp_profile()
     link, n = local(1e-9), world_size
     rows = 2 * 10 * MIB * (n - 1) // n
@@ -104,9 +100,8 @@ def test_ddp_and_zero1_peak_on_one_host(world_size):
 
 @pytest.mark.parametrize("staged", [False, True])
 def test_zero3_peak_of_one_unit(staged):
-    """ZeRO-3 with one unit of 3 + 5 elements at ws 2: the runtime, the shard and state share,
-    the gathered unit, its whole gradients and the activations (gloo's staging buffer is freed
-    before the gradients exist, so it does not raise the peak)."""
+    """ZeRO-3 at ws 2 peaks at runtime + shard + state/n + gathered unit + grads + activations."""
+    # gloo's staging buffer is freed before the gradients exist, so it does not raise the peak.
     eb, n = 4, 2
     whole, shard = 2 * ALIGN * eb, ALIGN * eb
     acts, state = 3 * whole, 2 * 8 * eb

@@ -40,8 +40,7 @@ def test_one_job_beside_compute(cores, peers, background, end_s):
 
 
 def test_wire_time_bounds_a_job_and_the_wait_is_exposed():
-    """A job with 1 ms of CPU and 30 ms on the wire, launched after 10 ms and waited for after
-    10 more, ends at 40 ms: 20 ms of the main thread blocked."""
+    """A 1 ms CPU, 30 ms wire job launched at 10 ms ends at 40 ms, the main thread blocked 20 ms."""
     ops = [Compute(0.010), Launch("comm", Job("b0", 0.001, 0.030)), Compute(0.010), Wait("b0")]
     result = simulate(ops, 2.0)
     assert result.end_s == pytest.approx(0.040)
@@ -70,18 +69,17 @@ def test_waiting_for_a_job_never_launched_is_an_error():
 
 
 def test_ddp_step_with_two_buckets_on_a_bus():
-    """Forward 10 ms; buckets of 10 MiB ready 5 and 15 ms into a 20 ms backward, each 10 ms on
-    the link at ws 2: bucket 0 runs 15-25 ms, bucket 1 25-35 ms, the last 5 ms of backward
-    after it (35-40), the optimizer 2 ms: 42 ms, 10 ms of it exposed communication."""
+    """DDP at ws 2 with two 10 MiB buckets on a bus: a 42 ms step, 10 ms of it exposed comm."""
+    # Buckets ready at 5 and 15 ms of a 20 ms backward send 15-25 and 25-35 ms; backward
+    # ends at 40 ms (forward 10 ms first), then the 2 ms optimizer.
     step, floor = step_seconds(Setup(strategy="ddp"), ddp_profile(), bus(), 2)
     assert step == pytest.approx(0.042)
     assert floor == pytest.approx(0.032)
 
 
 def test_the_slowest_of_n_ranks_against_closed_forms():
-    """Steps of 1, 2, 3 and 4 ms equally likely: the slower of two ranks takes 50/16 ms on
-    average (sum of x * (F(x)^2 - F(x-)^2)), 0.625 ms beyond the 2.5 ms median; many ranks
-    approach the slowest sample; one rank, or steps that never vary, wait for no one."""
+    """Straggle on 1-4 ms steps: 0.625 ms at 2 ranks, near the slowest at many, 0 at 1 or steady."""
+    # Slower of two: sum of x * (F(x)^2 - F(x-)^2) = 50/16 ms, 0.625 ms past the 2.5 ms median.
     samples = [0.004, 0.001, 0.003, 0.002]
     assert straggle_s(samples, 2) == pytest.approx(0.000625)
     assert straggle_s(samples, 3) > straggle_s(samples, 2)
@@ -91,8 +89,7 @@ def test_the_slowest_of_n_ranks_against_closed_forms():
 
 
 def test_a_step_waits_for_the_slowest_rank():
-    """The predicted step at ws 2 is the simulated one plus the expected wait for the slower
-    rank drawn from the profile's samples; the floor (no communication) is not."""
+    """At ws 2 the step, not the floor, adds the slower rank's expected wait from the samples."""
     plain = step_seconds(Setup(strategy="ddp"), ddp_profile(), bus(), 2)
     varied = ddp_profile(step_samples_s=[0.004, 0.001, 0.003, 0.002])
     step, floor = step_seconds(Setup(strategy="ddp"), varied, bus(), 2)
@@ -116,16 +113,14 @@ def test_bucket_cost_grows_with_the_ring():
 
 
 def test_zero1_adds_its_sharded_step_and_broadcasts():
-    """ZeRO-1 at ws 2 on a free link: the optimizer runs on half the parameters (1 ms), the
-    broadcasts cost nothing, so the step is 10 + 20 + 1 ms."""
+    """ZeRO-1 at ws 2 on a free link steps on half the parameters: 10 + 20 + 1 ms."""
     free = BusLink(float("inf"), 0.0)
     step, floor = step_seconds(Setup(strategy="zero1"), ddp_profile(), free, 2)
     assert step == pytest.approx(0.031) and floor == pytest.approx(0.031)
 
 
 def test_a_local_collective_lasts_at_least_its_measured_wall_time():
-    """On one host with no CPU cost but 10 ms of measured wall time per 10 MiB bucket, the DDP
-    step is the bus timeline's 42 ms; with the wall time gone, the 32 ms floor."""
+    """With 10 ms measured wall time per 10 MiB bucket a local DDP step is 42 ms; without, 32 ms."""
     prof, setup = ddp_profile(), Setup(strategy="ddp")
     waiting = local(0.0, wall_s_per_byte=0.010 / (10 * MIB))
     assert step_seconds(setup, prof, waiting, 2) == pytest.approx((0.042, 0.032))
@@ -134,9 +129,9 @@ def test_a_local_collective_lasts_at_least_its_measured_wall_time():
 
 @pytest.mark.parametrize("cores", [None, 1.0])
 def test_a_meeting_takes_no_cpu_and_goes_faster_once_the_main_thread_waits(cores):
-    """A job launched after 10 ms, meeting 2 ms idle or 4 ms busy, then 4 ms of CPU: the main
-    thread's 1 ms runs at full speed beside the meeting (a quarter of it done), the rest takes
-    1.5 ms while it waits, then the CPU: 16.5 ms, on one core as on many."""
+    """A meeting (2 ms idle, 4 ms busy) speeds up once the main thread waits: 16.5 ms, any cores."""
+    # The main thread's 1 ms runs beside a quarter of the meeting, the rest takes 1.5 ms,
+    # then the job's 4 ms of CPU.
     job = Job("b0", cpu_s=0.004, meet_s=0.002, meet_busy_s=0.004)
     ops = [Compute(0.010), Launch("comm", job), Compute(0.001), Wait("b0")]
     result = simulate(ops, cores)
@@ -151,9 +146,8 @@ def test_wire_time_counts_from_the_meetings_end():
 
 
 def test_links_give_their_measured_meetings():
-    """A local link's meetings come from the nearest world size measured, none at one rank,
-    and survive its cache's round trip; a shaped link's own measured ones win over the local
-    machine's; PowerSGD's bucket meets twice (its two messages)."""
+    """Meetings are the nearest measured world size's, none at 1 rank, a shaped link's own first."""
+    # PowerSGD's bucket meets twice: once for each of its two messages.
     meetings = {"reduce": {2: (0.001, 0.003), 4: (0.002, 0.005)}}
     here = LocalLink(local(0.0).table, 2.0, wall_table=local(0.0).wall_table, meet_table=meetings)
     assert here.cost("reduce", MIB, 3).meet_s == 0.002  # nearest: 4 before 2
@@ -173,18 +167,16 @@ def test_links_give_their_measured_meetings():
 
 
 def test_a_powersgd_hook_computes_then_sends_its_two_messages():
-    """PowerSGD on a bus at ws 2, each bucket's hook 4 ms of CPU, then P (10 KiB) and Q (16 KiB)
-    2 and 3.2 ms on the wire, in turn: bucket 0 lasts 15-24.2 ms, bucket 1 25-34.2, then 1 ms of
-    backward and 2 of optimizer: 37.2 ms (overlapping the hook with its messages gave 33.2)."""
+    """PowerSGD at ws 2 runs each bucket's 4 ms hook, then sends P and Q in turn: a 37.2 ms step."""
+    # Bucket 0 lasts 15-24.2 ms, bucket 1 25-34.2; overlapping hook and messages gave 33.2 ms.
     prof = ddp_profile(hook_s=[0.004, 0.004], param_shapes=[[640, 1024], [640, 1024]])
     ops = ddp_ops(prof, bus(bytes_per_s=10240 / 0.002), 2, "powersgd")
     assert simulate(ops, None).end_s == pytest.approx(0.0372)
 
 
 def test_calibrated_meeting_is_the_operations_time_beyond_compute():
-    """An operation that sleeps 2 ms, after 8 ms of "compute": both meetings measure about its
-    2 ms (wake-ups late by up to 4 ms on a loaded machine), neither the compute nor the
-    communication thread's sleep before it (10 ms)."""
+    """Both meetings of a 2 ms sleep after 8 ms of compute measure 1.9-6 ms, not the 10 ms whole."""
+    # The 6 ms bound allows wake-ups up to 4 ms late on a loaded machine.
     idle, busy = ddptrain.spawn(meeting_of_a_sleep, 1, 0.008, 0.002, timeout_s=120)[0]
     assert 0.0019 <= busy <= 0.006
     assert 0.0019 <= idle <= 0.006
@@ -224,8 +216,7 @@ def _reduce_scatter_link(issue_s: float, finish_s: float) -> LocalLink:
     ],
 )
 def test_a_reduce_scatters_calling_thread_share_is_the_main_threads(issue_s, finish_s, end_s):
-    """What gloo does on the thread that starts a reduce-scatter and waits for it is charged to
-    the main thread, in a ZeRO-3 step of two units worked by hand."""
+    """A reduce-scatter's calling-thread work is charged to the main thread in a ZeRO-3 step."""
     ops = sharded_ops(_two_unit_profile(), _reduce_scatter_link(issue_s, finish_s), 2, True)
     assert simulate(ops, 4.0, 2).end_s == pytest.approx(end_s, abs=1e-9)
 
@@ -235,9 +226,8 @@ def _caller(cost: Cost) -> tuple[float, float]:
 
 
 def test_the_calling_threads_share_is_measured_here_and_fits_in_the_whole():
-    """A local link's calling-thread seconds come from the nearest world size measured and
-    survive its cache's round trip; parts measured above the whole are scaled into it; a shaped
-    link takes this machine's, as the copies are local memory's."""
+    """Caller seconds come from the nearest world size, survive the cache, and fit in the whole."""
+    # A shaped link takes this machine's caller seconds: the copies are local memory's.
     link = _reduce_scatter_link(0.002, 0.001)
     assert _caller(link.cost("reduce_scatter", MIB, 3)) == pytest.approx((0.002, 0.001))
     assert LocalLink.from_dict(link.as_dict()).caller_table == link.caller_table
@@ -265,8 +255,7 @@ def test_the_calling_threads_share_is_measured_here_and_fits_in_the_whole():
     ],
 )
 def test_the_sharded_wrappers_own_work_on_a_gpu(world_size, wrapper_step_s, end_s):
-    """A CUDA profile's sharded wrapper step beyond the plain model's is the main thread's, in
-    equal parts as each unit's forward starts, in a ZeRO-3 step of two units worked by hand."""
+    """A CUDA sharded wrapper's extra step time is the main thread's, split over unit forwards."""
     prof = _two_unit_profile()
     prof.wrapper_step_s = wrapper_step_s
     fast = bus(bytes_per_s=1e18)

@@ -13,9 +13,8 @@ MIB = 1 << 20
 
 
 def test_merge_takes_the_mean_of_the_passes_and_keeps_every_step():
-    """Times and bytes are the passes' means (per bucket too), the steps of both passes are
-    kept, each scaled as its pass's median (30 and 40 ms) is to the mean (35 ms), and what does
-    not vary (the buckets) is the first pass's."""
+    """Merged passes take mean times and bytes, keep every step, and the first pass's buckets."""
+    # Each pass's steps scale as its median (30 or 40 ms) is to the mean (35 ms).
     fast = ddp_profile(step_s=0.030, backward_s=0.018, bucket_ready_s=[0.004, 0.014],
                        peak_rss_bytes=200 * MIB, timed_steps=2,
                        step_samples_s=[0.03, 0.03])  # fmt: skip
@@ -43,8 +42,7 @@ def test_merge_averages_each_units_forward_span():
 
 
 def test_rounds_take_turns_reversing_the_order_and_merge_per_setup():
-    """Two rounds over three setups profile them a, b, c, then c, b, a; each setup's profile
-    merges its own two passes."""
+    """Two rounds profile setups a, b, c then c, b, a, and each setup merges its own two passes."""
     setups = [Setup(model="mlp", strategy=s) for s in ("ddp", "zero1", "powersgd")]
     order: list[str] = []
 
@@ -62,8 +60,7 @@ def test_rounds_take_turns_reversing_the_order_and_merge_per_setup():
 
 
 def test_plan_profiles_each_strategy_once_a_round_and_reuses_given_profiles(monkeypatch):
-    """plan(profile_rounds=2) profiles every strategy not given twice and none given; no
-    rounds at all is refused."""
+    """profile_rounds=2 profiles each strategy not given twice, given ones never; 0 is refused."""
     seen: list[str] = []
 
     def fake(setup: Setup):
@@ -92,9 +89,8 @@ def _of(strategy: str, model: str = "lenet", **times: object):
 
 
 def test_the_ddp_wrappers_strategies_share_one_forward_and_backward():
-    """DDP, ZeRO-1 and PowerSGD of one model take the mean of their forward, backward and
-    bucket-ready times, PowerSGD keeping its last hook (4 ms) and each its optimizer; ZeRO-3 and
-    another model's DDP are left alone."""
+    """DDP, ZeRO-1 and PowerSGD of one model pool forward, backward and bucket-ready times."""
+    # PowerSGD keeps its last hook (4 ms), each strategy its optimizer; others are left alone.
     ddp = _of("ddp", forward_s=0.010, backward_s=0.020, bucket_ready_s=[0.004, 0.014])
     zero1 = _of("zero1", forward_s=0.013, backward_s=0.026, bucket_ready_s=[0.006, 0.018],
                 optimizer_s=0.003, step_s=0.042)  # fmt: skip

@@ -24,8 +24,7 @@ def test_mlp_on_paper_matches_the_module():
 
 @pytest.mark.parametrize("spec", [mlp(), gpt2_small()], ids=lambda s: s.name)
 def test_paper_profile_buckets_and_times(spec):
-    """Every parameter is in one bucket; backward is twice forward; the tied embedding's
-    gradient (parameter 0 of GPT-2) is ready only at the end of backward."""
+    """Each parameter is in one bucket, backward is 2x forward, GPT-2's tied embedding is last."""
     prof = paper_profile(spec)
     members = sorted(i for b in prof.buckets for i in b)
     assert members == list(range(len(spec.shapes)))
@@ -35,8 +34,8 @@ def test_paper_profile_buckets_and_times(spec):
 
 
 def test_ddp_memory_on_paper_is_params_grads_adamw_and_activations():
-    """DDP on a GPU link holds 4P + 4P + 8P bytes and the activations at its peak, or less
-    where activations are freed as gradients arrive."""
+    """DDP on a GPU link peaks at 12P to 16P (4P + 4P + 8P) bytes plus the activations."""
+    # Below the full sum where activations are freed as gradients arrive.
     spec = gpt2_small()
     prof = paper_profile(spec)
     n = spec.numel
@@ -46,8 +45,8 @@ def test_ddp_memory_on_paper_is_params_grads_adamw_and_activations():
 
 
 def test_docs_scaling_md_is_what_the_generator_writes():
-    """docs/scaling.md is `python -m ddptrain.plan.scaling`'s output: regenerate it when the
-    model changes."""
+    """docs/scaling.md is exactly `python -m ddptrain.plan.scaling`'s output."""
+    # Regenerate it when the model changes.
     from pathlib import Path
 
     from ddptrain.plan.scaling import render

@@ -103,8 +103,7 @@ def test_cli_draws_overlaid_runs(tmp_path):
 
 
 def test_without_o_the_curves_go_beside_the_runs(tmp_path, monkeypatch, capsys):
-    """No -o: one run's curves.png lands in its own folder, several runs' in their common
-    folder, never in the current directory; the path written is printed."""
+    """Without -o, curves.png goes in the runs' (common) folder, never the cwd; its path printed."""
     pytest.importorskip("matplotlib")
     a = _write_run(tmp_path / "runs" / "a", [START, _train(10, 2.0, 1.0), _train(20, 1.0, 2.0)])
     b = _write_run(tmp_path / "runs" / "b", [_train(10, 2.5, 1.5), _train(20, 1.5, 3.0)])

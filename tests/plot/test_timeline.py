@@ -71,8 +71,7 @@ def test_backend_all_reduce_spans_run_from_launch_to_wait_end():
 
 
 def test_cli_draws_a_timeline_and_refuses_traces_without_marks(tmp_path):
-    """Two rank traces give a PNG (beside them without -o); a trace with no ddptrain marks
-    exits 2."""
+    """Two rank traces give a PNG (beside them without -o); a trace without marks exits 2."""
     pytest.importorskip("matplotlib")
     paths = []
     for rank in (0, 1):

@@ -213,8 +213,7 @@ def test_truncated_file_with_sidecar_fails_the_size_check(tmp_path):
     ],
 )
 def test_non_torch_file_is_a_clear_error(tmp_path, content, said):
-    """Empty, text and fake-zip files raise CheckpointError saying what they are, not a torch
-    internals traceback."""
+    """Empty, text and fake-zip files raise CheckpointError saying what they are, no traceback."""
     path = tmp_path / "ckpt-00000001.pt"
     path.write_bytes(content)
     with pytest.raises(CheckpointError, match=said):

@@ -153,8 +153,7 @@ def test_check_writable_on_read_only_directory(tmp_path):
 
 
 def test_check_writable_reports_too_little_free_space(tmp_path):
-    """Asking for more bytes than the filesystem has free fails before training starts, and
-    the fix it offers names the recipe's flag for keep_last."""
+    """Too little free space fails before training, naming the recipe's --keep-last as the fix."""
     with pytest.raises(CheckpointError, match="MiB free on the filesystem") as info:
         check_writable(tmp_path, required_bytes=2**62)
     assert "lower keep_last (recipe: --keep-last)" in str(info.value)
@@ -168,8 +167,7 @@ def _truncate(path) -> bytes:
 
 
 def test_latest_valid_checkpoint_names_each_newer_invalid_one_and_why(tmp_path):
-    """Past a truncated newest and an unfinished save it finds step 1, and says why for each;
-    latest_checkpoint finds the same and warns once per skipped file."""
+    """Past a truncated and an unfinished newer save it finds step 1, and says why for each."""
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, tiny_state(step), step=step)
     _truncate(tmp_path / "ckpt-00000003.pt")
@@ -185,8 +183,7 @@ def test_latest_valid_checkpoint_names_each_newer_invalid_one_and_why(tmp_path):
 
 
 def test_set_aside_moves_a_checkpoint_into_invalid_where_it_is_kept_and_never_pruned(tmp_path):
-    """The .pt and its sidecar move, bytes intact, into invalid/; it is no longer listed, a second
-    file of the same name does not overwrite the first, and retention never deletes either."""
+    """A set-aside checkpoint moves intact into invalid/, unlisted, never overwritten or pruned."""
     save_checkpoint(tmp_path, tiny_state(1), step=1)
     save_checkpoint(tmp_path, tiny_state(2), step=2)
     cut = _truncate(tmp_path / "ckpt-00000002.pt")

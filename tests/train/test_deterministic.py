@@ -227,10 +227,7 @@ world = worlds.fixture(CASES, BY_WORLD, timeout_s=WORLD_TIMEOUT_S)
 
 @pytest.mark.parametrize("kind", ["lenet", "tied_branch"])
 def test_the_users_loop_ends_on_the_same_bits_at_world_sizes_1_to_4(world, kind):
-    """DDP(deterministic=True) in a plain no_sync() loop: parameters, buffers (BatchNorm
-    statistics) and AdamW state are bitwise the same on every rank at world sizes 1, 2, 3, 4
-    (LeNet with BatchNorm and dropout; tied embeddings, a branch some micro-batches take, a
-    layer none uses, which keeps grad=None)."""
+    """The user's loop ends on the same parameters, buffers and AdamW state bits at sizes 1-4."""
     digests = {ws: {r["state"] for r in worlds.outcome(world(ws), kind)} for ws in (1, 2, 3, 4)}
     assert all(len(d) == 1 for d in digests.values()), digests
     assert len(set.union(*digests.values())) == 1, digests
@@ -239,9 +236,7 @@ def test_the_users_loop_ends_on_the_same_bits_at_world_sizes_1_to_4(world, kind)
 
 
 def test_means_the_transport_computes_part_by_part_give_the_same_bits(world):
-    """The tied-branch loop with each bucket's means computed part by part by the ranks that
-    sum it (shared memory at world sizes 2, 3, 4) ends on world size 1's bits, on every rank,
-    the never-used layer still without a gradient."""
+    """Bucket means computed part by part by the transport end on world size 1's bits at 2, 3, 4."""
     want = {r["state"] for r in worlds.outcome(world(1), "tied_branch")}
     for ws in (2, 3, 4):
         results = worlds.outcome(world(ws), "tied_finished")
@@ -251,9 +246,8 @@ def test_means_the_transport_computes_part_by_part_give_the_same_bits(world):
 
 @pytest.mark.slow
 def test_layers_past_a_piece_end_on_the_same_bits_at_world_sizes_1_2_3():
-    """The tied-branch model with layers of 360,000 weights, whose sums and means go through
-    the compiled passes: the same bits at world sizes 1, 2 and 3. (Slow: each rank compiles,
-    about 20 s on 2 cores with a cold compiler cache.)"""
+    """Layers of 360,000 weights, through the compiled passes, end on the same bits at sizes 1-3."""
+    # Slow: each rank compiles, about 20 s on 2 cores with a cold compiler cache.
     digests = set()
     for ws in (1, 2, 3):
         digests |= {r["state"] for r in ddptrain.spawn(_wide_world, ws, timeout_s=300)}
@@ -261,15 +255,14 @@ def test_layers_past_a_piece_end_on_the_same_bits_at_world_sizes_1_2_3():
 
 
 def test_the_guides_own_loop_ends_on_the_same_bits_at_world_sizes_1_3_4(world):
-    """The guide's example loop (MicroBatchSampler, no_sync(), the undivided loss) ends on
-    the same LeNet bits at world sizes 1, 3 and 4."""
+    """The guide's own-loop example ends on the same LeNet bits at world sizes 1, 3 and 4."""
     digests = {r for ws in (1, 3, 4) for r in worlds.outcome(world(ws), "guide_loop")}
     assert len(digests) == 1, digests
 
 
 def test_the_float_reduction_changes_with_the_world_size(world):
-    """The oracle can fail: the same loop with float sums (deterministic=False, torch's idiom)
-    ends elsewhere at world size 3 than at 1, while the exact mode's does not."""
+    """Float sums (deterministic=False) end on other bits at sizes 1 and 3; exact sums do not."""
+    # The oracle can fail: it catches a loop whose bits depend on the world size.
     one, three = (worlds.outcome(world(ws), "float_sums")[0]["model"] for ws in (1, 3))
     assert one != three
     exact = {worlds.outcome(world(ws), "lenet")[0]["model"] for ws in (1, 3)}
@@ -277,8 +270,7 @@ def test_the_float_reduction_changes_with_the_world_size(world):
 
 
 def test_zero_stages_1_2_3_end_on_the_ddp_wrappers_bits(world):
-    """ZeRO-1 (sharded AdamW), ZeRO-2 and ZeRO-3 in deterministic mode end on the DDP
-    wrapper's parameters and buffers, at world sizes 1 and 3."""
+    """Deterministic ZeRO-1, 2 and 3 end on the DDP wrapper's bits at world sizes 1 and 3."""
     ddp = worlds.outcome(world(1), "lenet")[0]["model"]
     for ws in (1, 3):
         for stage in (1, 2, 3):
@@ -286,9 +278,7 @@ def test_zero_stages_1_2_3_end_on_the_ddp_wrappers_bits(world):
 
 
 def test_zero_2_and_3_with_a_branch_some_ranks_skip_end_on_the_ddp_wrappers_bits(world):
-    """TiedBranchNet with its branch (taken by some micro-batches) and its unused layer each a
-    unit of their own: ZeRO-2 and ZeRO-3 in deterministic mode end on the DDP wrapper's
-    parameters, buffers and AdamW state, bitwise, at world sizes 1 to 4."""
+    """ZeRO-2 and 3 with units some ranks skip end on the DDP wrapper's state bits at sizes 1-4."""
     ddp = worlds.outcome(world(1), "tied_branch")[0]["state"]
     for ws in (1, 2, 3, 4):
         for stage in (2, 3):
@@ -296,10 +286,9 @@ def test_zero_2_and_3_with_a_branch_some_ranks_skip_end_on_the_ddp_wrappers_bits
 
 
 def test_clipped_norms_of_zero_3_equal_the_ddp_wrappers_with_a_layer_no_rank_uses(world):
-    """Trainer-style clipping (train.gradients.grad_norm) in deterministic mode on a model with
-    a layer no rank uses: the DDP wrapper and ZeRO-3 at world sizes 1 and 3 give the same norm
-    bits every step and end on the same bits, both bounding the norm's terms by the whole
-    model's elements, the unused layer's included (the same grid whatever the gradients)."""
+    """DDP and ZeRO-3 clipping give the same norm bits every step and end bitwise at sizes 1, 3."""
+    # Both bound the norm's terms by the whole model's elements, the unused layer's included:
+    # the same grid whatever the gradients.
     ddp = worlds.outcome(world(1), "tied_clipped")[0][0]
     assert all(n > CLIP_NORM for n in ddp["norms"]), ddp["norms"]
     for ws in (1, 3):

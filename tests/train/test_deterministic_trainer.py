@@ -100,10 +100,7 @@ def _fit(root: str, crash_at: int | None = None) -> dict | None:
 
 
 def test_the_trainer_resumed_at_4_then_3_then_2_ranks_equals_a_straight_run(tmp_path):
-    """A deterministic Trainer run (BatchNorm, dropout, clipping, a cosine schedule) on 4
-    ranks that crashes in step 6, resumed on 3 from its step-4 checkpoint, crashing in step 10,
-    and finished on 2 from step 8, ends on the checkpoint, evaluation and logged losses of a
-    straight run on 1, bitwise."""
+    """A run crashed on 4, then 3 ranks and finished on 2 ends bitwise as a straight run on 1."""
     straight = ddptrain.spawn(_fit, 1, str(tmp_path / "straight"), timeout_s=WORLD_TIMEOUT_S)
     chain = str(tmp_path / "chain")
     for world_size, crash_at in ((4, 6), (3, 10), (2, None)):
@@ -133,8 +130,7 @@ def _overflow_message(root: str) -> str:
 
 
 def test_an_overflowing_exact_sum_stops_the_step_and_says_why(tmp_path):
-    """A micro-batch gradient beyond the fixed-point range stops the run before the optimizer
-    step with one message naming the overflow, not a bare 'non-finite gradients'."""
+    """A gradient beyond the fixed-point range stops the step with one line naming the overflow."""
     message = ddptrain.spawn(_overflow_message, 1, str(tmp_path), timeout_s=WORLD_TIMEOUT_S)[0]
     assert "step 1: non-finite gradients (the exact sums overflowed" in message, message
 
@@ -150,18 +146,16 @@ def _one_sided_gradient() -> dict:
 
 
 def test_a_gradient_of_one_sign_keeps_its_exact_mean():
-    """The grid is set by the gradient's largest magnitude on either side: an all-negative
-    gradient (its maximum -1, its magnitude 2**30, past the grid's headroom over 1) comes back
-    exactly, not clipped or flagged as an overflow."""
+    """An all-negative gradient from -2**30 to -1 comes back exactly, not clipped or an overflow."""
+    # The grid is set by the gradient's largest magnitude on either side: here 2**30, not its
+    # maximum -1 (2**30 is past the grid's headroom over 1).
     result = ddptrain.spawn(_one_sided_gradient, 1, timeout_s=WORLD_TIMEOUT_S)[0]
     assert torch.equal(result["grad"], result["expected"]), result
 
 
 # ------------------------------------------------------------------------------ no processes
 def test_micro_batch_k_holds_the_same_samples_at_every_world_size():
-    """MicroBatchSampler: rank r's j-th micro-batch of a step is micro-batch j * W + r, the
-    same samples at W = 1, 2, 3, 6, over two epochs with padding; a resumed position means the
-    same samples at another world size."""
+    """Rank r's j-th micro-batch is j * W + r: the same samples at any W, also after a resume."""
 
     def by_k(world_size: int, state: dict | None = None) -> dict:
         out = {}

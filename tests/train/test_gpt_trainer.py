@@ -98,9 +98,9 @@ def _case_checkpointing(info) -> dict:
 
 
 def test_activation_checkpointing_gives_the_same_gradients_under_ddp_and_zero3(world):
-    """One backward with dropout: checkpointed blocks give bitwise the gradients of the plain
-    backward under the DDP wrapper (whose large Linear layers otherwise compute into their
-    bucket slots) and under ZeRO-3 (blocks as units, gathered again for the recomputation)."""
+    """Checkpointed blocks give bitwise the plain backward's gradients under DDP and ZeRO-3."""
+    # Under DDP large Linear layers otherwise compute into their bucket slots; under ZeRO-3
+    # the blocks are units, gathered again for the recomputation.
     for r in worlds.outcome(world(WORLD_SIZE), "checkpointing"):
         for stage in (0, 3):
             (plain, slots), (checkpointed, _) = r[stage, False], r[stage, True]
@@ -119,8 +119,7 @@ def _case_checkpointing_trainer(info, root: str) -> dict:
 
 
 def test_activation_checkpointing_trains_bitwise_like_without_under_ddp_and_zero3(world):
-    """TrainerConfig(activation_checkpointing=True) at zero_stage 0 and 3: 8 AdamW steps with
-    dropout end with the parameters of the same run without it, bitwise."""
+    """activation_checkpointing=True trains 8 AdamW steps bitwise as without, at stages 0 and 3."""
     for r in worlds.outcome(world(WORLD_SIZE), "checkpointing_trainer"):
         for stage in (0, 3):
             assert torch.equal(r[stage, False], r[stage, True]), stage
@@ -146,8 +145,7 @@ def _case_clip(info, root: str) -> dict:
 
 
 def test_clipping_a_gpt_uses_the_same_global_norm_at_every_zero_stage(world):
-    """Every step's global gradient norm has the same bits under DDP and ZeRO-1/2/3, exceeds
-    grad_clip_norm, and the clipped runs end bitwise equal (the unclipped one does not)."""
+    """Each step's global norm has the same bits at ZeRO stages 0-3; clipped runs end bitwise."""
     for r in worlds.outcome(world(WORLD_SIZE), "clip"):
         params, norms = r[0]
         assert norms.shape == (STEPS,) and bool((norms > CLIP).all())
@@ -180,9 +178,7 @@ def _case_schedule(info, root: str) -> dict:
 
 
 def test_warmup_cosine_sets_the_lr_of_every_group_under_zero1(world):
-    """warmup_cosine built on the user's AdamW steers the lr of both groups of the ZeRO-1
-    optimizer the Trainer steps, step by step as the formula says, and ZeRO-1 ends bitwise
-    equal to stage 0."""
+    """warmup_cosine sets both ZeRO-1 groups' lr every step; ZeRO-1 ends bitwise as stage 0."""
     for r in worlds.outcome(world(WORLD_SIZE), "schedule"):
         assert r[1]["optimizer"] == "ZeroRedundancyOptimizer"
         expected = [
@@ -223,9 +219,7 @@ def _case_resume(info, root: str) -> dict:
 
 
 def test_a_crashed_gpt_run_resumes_bitwise(world):
-    """Crashed at step 5 (checkpoint at 3) and resumed, with dropout, checkpointed blocks,
-    AdamW groups and warmup + cosine: the run ends bitwise equal to the straight one, under
-    the DDP wrapper and under ZeRO-3."""
+    """A GPT run crashed at step 5 and resumed from step 3 ends bitwise under DDP and ZeRO-3."""
     for r in worlds.outcome(world(WORLD_SIZE), "resume"):
         for stage in (0, 3):
             straight, resumed, crashed, step = r[stage]
@@ -273,9 +267,9 @@ def _compile_world(root: str) -> dict:
 
 @pytest.mark.slow
 def test_compile_trains_like_eager(tmp_path):
-    """compile=True under the DDP wrapper (the whole module compiled, the wrapper eager) and
-    under ZeRO-3 (each block's forward compiled between the wrapper's gathers), each with and
-    without checkpointed blocks, moves the weights as eager does, within rounding."""
+    """compile=True under DDP and ZeRO-3, checkpointed or not, moves the weights as eager does."""
+    # DDP compiles the whole module, the wrapper eager; ZeRO-3 compiles each block's forward
+    # between the wrapper's gathers.
     results = ddptrain.spawn(_compile_world, WORLD_SIZE, str(tmp_path), timeout_s=WORLD_TIMEOUT_S)
     _check_compiled(worlds.outcome(results, "compile"))
 

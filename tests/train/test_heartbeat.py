@@ -32,8 +32,7 @@ def world_of_one(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_a_store_failing_as_the_agent_exits_is_reported_as_the_agent(world_of_one, monkeypatch):
-    """A beat that fails because the dying agent closed its store, a moment before its workers
-    see the agent gone (reparenting), names the agent, not the store."""
+    """A beat failing on the dying agent's closed store names the agent, not the store."""
     port = _free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     client = dist.TCPStore(
@@ -94,8 +93,7 @@ def _peer_stops(error: str | None) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("error", [None, "ValueError: bad batch"])
 def test_a_peer_that_stopped_beating_on_purpose_is_not_lost(error):
-    """A peer that stopped its heartbeat, finished or leaving with an error, is not called lost
-    however long it stays silent; one that left with an error is named with it."""
+    """A peer that stopped its heartbeat is never lost; one that left with an error is named."""
     lost_and_failed = ddptrain.spawn(_peer_stops, 2, error, timeout_s=90)[0]
     assert lost_and_failed["lost"] == [], lost_and_failed
     assert lost_and_failed["failed"] == ({1: error} if error else {}), lost_and_failed

@@ -45,8 +45,7 @@ def _run_job(
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "ddptrain-run"])
 def test_a_restart_resumes_to_bitwise_equal_parameters(tmp_path, launcher):
-    """--max-restarts=1: a SIGKILLed rank restarts, resumes, ends bitwise equal (under torchrun,
-    and under ddptrain-run, which says that it restarts)."""
+    """With --max-restarts=1 a SIGKILLed rank restarts, resumes and ends bitwise equal."""
     straight = _run_job(["--ckpt-dir", "a", "--out", "a.pt"], tmp_path, 0, launcher)
     assert straight.returncode == 0, straight.stderr[-3000:]
     faulty = _run_job(
@@ -166,9 +165,8 @@ FORWARD_SIGUSR1 = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
 def test_a_forwarded_signal_saves_the_last_step_and_the_rerun_is_bitwise(
     tmp_path, launcher, number, torchrun_flags
 ):
-    """torchrun forwards SIGTERM and SIGINT (and SIGUSR1 when told to): the workers save the
-    step they are at, no step after the checkpoint was trained, they exit with 76 long before
-    torchrun's 30-s SIGKILL; started again, the run ends bitwise equal to a run never stopped."""
+    """A forwarded signal saves the step reached, trains none after it, and the rerun is bitwise."""
+    # The workers must exit 76 well before torchrun's SIGKILL, 30 s after the signal.
     proc, out, seconds = _signal_mid_run(tmp_path, "b", number, torchrun_flags, launcher)
     saved = ckpt.latest_checkpoint(tmp_path / "b-ckpt")
     assert saved is not None, out
@@ -188,10 +186,7 @@ def test_a_forwarded_signal_saves_the_last_step_and_the_rerun_is_bitwise(
 
 
 def test_ctrl_c_under_ddptrain_run_is_one_story_and_exit_status_76(tmp_path):
-    """SIGINT to the whole job (a terminal's Ctrl-C reaches ddptrain-run and every worker): the
-    step is saved, rank 0's `stopped at step N ... exiting with code 76` is the last line, with
-    no launcher traceback after it, and the job's status is that 76; started again, the run
-    ends bitwise equal to a run never stopped."""
+    """Ctrl-C saves the step, rank 0's stop line comes last, exit status is 76; rerun is bitwise."""
     proc, out, seconds = _signal_mid_run(
         tmp_path, "c", signal.SIGINT, launcher="ddptrain-run", to_group=True
     )
@@ -210,9 +205,7 @@ def test_ctrl_c_under_ddptrain_run_is_one_story_and_exit_status_76(tmp_path):
 
 
 def test_workers_orphaned_by_torchrun_stop_at_the_next_step_with_one_line(tmp_path):
-    """SIGUSR1 kills torchrun outright (not in its --signals-to-handle): its workers see their
-    agent gone, save the step they are at and exit, saying so in one line; no trace of the
-    dead store floods the output, no live rank is called lost; the run resumes bitwise."""
+    """Workers whose torchrun died save their step, say so in one line and resume bitwise."""
     _, out, seconds = _signal_mid_run(tmp_path, "o", signal.SIGUSR1)
     saved = ckpt.latest_checkpoint(tmp_path / "o-ckpt")
     assert saved is not None, out

@@ -14,9 +14,8 @@ from ddptrain.train.optimizers import adamw_groups, warmup_cosine, warmup_cosine
 
 
 def test_gpt_groups_decay_matmul_weights_only():
-    """On the GPT the decayed group is exactly the Linear weights of the blocks; biases,
-    LayerNorms and both embeddings (the tied output projection with them) do not decay, and
-    every trainable parameter is in one group."""
+    """On the GPT only the blocks' Linear weights decay; each trainable parameter is in a group."""
+    # The output projection is tied to an embedding, so it does not decay either.
     model = GPT(n_layer=2, n_head=2, n_embd=16, block_size=8)
     decay, no_decay = adamw_groups(model, 0.1)
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
@@ -33,8 +32,7 @@ def test_gpt_groups_decay_matmul_weights_only():
 
 
 def test_groups_are_told_apart_without_shapes():
-    """Parameters flattened to 1-D (as ZeRO-2/3 shards are) fall in the same groups: the
-    owning module and the name decide, not the number of dimensions."""
+    """1-D parameters (as ZeRO-2/3 shards are) group by module and name, not by dimensions."""
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4), nn.Conv1d(4, 4, 1))
     for module in model:
         for name, p in list(module.named_parameters(recurse=False)):
@@ -58,8 +56,7 @@ def test_frozen_parameters_and_empty_groups_are_left_out():
 
 
 def test_warmup_rises_linearly_then_cosine_falls_to_the_floor():
-    """Warm-up 4 of 20 steps: (s+1)/5 for s < 4, 1 at step 4, 0.1 + 0.9 * (1 + cos) / 2 after,
-    exactly 0.1 from step 20 on."""
+    """Warm-up 4 of 20 steps rises as (s+1)/5, then cosine falls to exactly 0.1 from step 20 on."""
     f = [
         warmup_cosine_factor(s, warmup_steps=4, total_steps=20, min_lr_ratio=0.1) for s in range(25)
     ]
@@ -70,8 +67,7 @@ def test_warmup_rises_linearly_then_cosine_falls_to_the_floor():
 
 
 def test_the_schedule_resumes_from_a_weights_only_state_dict():
-    """A warmup_cosine stepped 7 times, saved, loaded with weights_only=True into a fresh
-    one, continues with the lrs of one never interrupted."""
+    """A warmup_cosine loaded weights_only after 7 steps continues with the uninterrupted lrs."""
 
     def make():
         opt = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=1.0)

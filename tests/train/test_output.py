@@ -72,8 +72,7 @@ def test_progress_bar_setting_none_follows_the_terminal(monkeypatch):
 
 
 def test_summary_counts_only_the_samples_trained_since_start_or_resume(monkeypatch):
-    """Progress.summary: samples/s over the steps taken in this process (a resumed run's earlier
-    steps excluded), with the latest loss and metrics."""
+    """Progress.summary's samples/s counts only this process's steps, not those before a resume."""
     monkeypatch.setattr(logs.time, "perf_counter", lambda: 104.0)
     progress = logs.Progress(window=None, first_step=10, saved_at=10, start=100.0)
     progress.last_loss, progress.metrics = 0.5, {"eval_accuracy": 0.9}
@@ -85,8 +84,7 @@ def test_summary_counts_only_the_samples_trained_since_start_or_resume(monkeypat
 
 
 def test_window_samples_per_s_leaves_out_evaluation_and_saving(monkeypatch):
-    """LossWindow.report: the mean loss per step, and time spent inside paused() (evaluation,
-    a save) is not training time."""
+    """LossWindow.report gives the mean loss per step; time in paused() is left out of samples/s."""
     clock = iter([0.0, 2.0, 10.0, 12.0, 12.0])
     monkeypatch.setattr(logs.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(logs.dist, "get_world_size", lambda: 1)
@@ -135,8 +133,8 @@ def test_run_banner_says_when_max_steps_ends_the_run_early():
 
 
 def test_the_run_banner_is_short_lines():
-    """The banner is a few lines a narrow terminal shows whole: the first names launcher, world
-    size, backend, device and precision; none runs past 80 characters."""
+    """The banner's first line names launcher, world size, backend, device, precision; all <= 80."""
+    # 80 columns: a narrow terminal shows the banner whole.
     lines = _banner(epochs=6, max_steps=None, total_steps=6 * 235).splitlines()
     assert (
         lines[0] == "ddptrain: launcher=spawn world_size=2 backend=gloo device=cpu precision=fp32"
@@ -147,8 +145,8 @@ def test_the_run_banner_is_short_lines():
 
 
 def test_lines_printed_during_a_progress_bar_go_above_it(capsys):
-    """ProgressBar.print: with the bar on, a whole line on stdout (tqdm clears and redraws the
-    bar on stderr around it); with it off, the same line."""
+    """ProgressBar.print writes the same whole line on stdout with the bar on or off."""
+    # With the bar on, tqdm clears and redraws it on stderr around the line.
     for enabled in (True, False):
         bar = output.ProgressBar(total=10, initial=0, enabled=enabled)
         bar.update(3, {"loss": 0.5, "samples_per_s": 100.0})

@@ -45,8 +45,7 @@ def _config(root: str, **overrides) -> TrainerConfig:
 
 # ----------------------------------------------------------------------------- unit tests
 def test_signals_are_recorded_not_raised_and_the_handlers_come_back():
-    """Inside catching(), SIGINT (twice) and SIGUSR1 only record a stop (no KeyboardInterrupt);
-    the first signal names it; the previous handlers are back afterwards."""
+    """In catching(), SIGINT twice and SIGUSR1 only record a stop; the old handlers come back."""
     before = signal.getsignal(signal.SIGINT)
     stop = StopRequest()
     with stop.catching(("SIGINT", "USR1")):
@@ -70,8 +69,7 @@ def test_a_lost_launcher_outranks_a_signal_and_asks_for_a_restart():
 
 
 def test_a_boundary_with_nothing_wanted_agrees_on_nothing_and_a_timed_save_on_no_stop():
-    """No request: None. Rank 0's clock due: save without stopping. A carried sum decides
-    whatever this rank holds."""
+    """No request agrees on None; rank 0's clock due saves, not stops; a carried sum decides."""
     stop = StopRequest()
     assert stop.agree(ALONE, carried=None) is None
     timed = stop.agree(ALONE, carried=None, save_due=True)
@@ -91,8 +89,7 @@ def test_a_boundary_with_nothing_wanted_agrees_on_nothing_and_a_timed_save_on_no
     ],
 )
 def test_preemption_settings_that_cannot_work_name_the_fix(overrides, match):
-    """Unknown or uncatchable signals, a string for the tuple, minutes <= 0 or without a
-    checkpoint_dir: ConfigError naming the fix."""
+    """Bad signals, a non-tuple, minutes <= 0 or no checkpoint_dir: ConfigError naming the fix."""
     settings = {"checkpoint_dir": "ckpt", "checkpoint_every_minutes": 5.0, **overrides}
     with pytest.raises(ConfigError, match=match):
         TrainerConfig(**settings)
@@ -172,11 +169,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_signal_saves_the_next_boundary_and_the_rerun_ends_bitwise_equal(tmp_path, case):
-    """A signal during step 6 on one rank: every rank saves step 6 and stops with code 76,
-    naming the signal and the rank, even with SIGINT pressed twice during that save; started
-    again, the run ends with the parameters of a run never stopped, bit for bit. Watching costs
-    no collective, except one small all_reduce per step for the sharded wrapper, whose
-    reductions do not carry the flag."""
+    """A signal in step 6 on one rank saves step 6 on every rank, exits 76; the rerun is bitwise."""
     kind, rank, world_size, hook, accum, zero_stage = CASES[case]
     config = _config(str(tmp_path), comm_hook=hook, grad_accum_steps=accum, zero_stage=zero_stage)
     fault = {"kind": kind, "rank": rank, "step": 5}
@@ -235,9 +228,8 @@ def _uneven(config: TrainerConfig, root: str) -> dict:
 
 
 def test_uneven_epochs_save_at_the_epoch_end_where_ranks_meet(tmp_path):
-    """Per-rank data (an IterableDataset): a signal in step 2 of a 6-step epoch lets the epoch
-    finish (its ranks meet only there), then saves step 6 and stops; the rerun starts at the
-    next epoch and ends bitwise equal."""
+    """With per-rank data a signal in step 2 saves step 6, the epoch's end; the rerun is bitwise."""
+    # Ranks on per-rank data (an IterableDataset) meet only at the epoch's end.
     config = _config(str(tmp_path), global_batch_size=8, epochs=3)
     for r in ddptrain.spawn(_uneven, 2, config, str(tmp_path), timeout_s=240):
         assert r["stopped"]["stopped_at"] == 6, r["stopped"]
@@ -253,8 +245,8 @@ def _timed(config: TrainerConfig, root: str) -> dict:
 
 
 def test_timed_checkpoints_are_agreed_by_every_rank_and_change_nothing(tmp_path):
-    """checkpoint_every_minutes shorter than a step: every step is saved (rank 0's clock
-    decides, the others follow without hanging), and training ends bitwise as without them."""
+    """Timed checkpoints save every step on every rank and training ends bitwise as without them."""
+    # Rank 0's clock decides and the others follow without hanging.
     config = _config(
         str(tmp_path),
         resume=None,
@@ -300,10 +292,8 @@ def _one_launcher_lost(config: TrainerConfig, root: str) -> dict:
 
 
 def test_one_rank_losing_its_launcher_stops_every_rank_with_the_lost_rank_code(tmp_path):
-    """Under torchrun-like agents, rank 1's agent goes away mid-run while rank 0's stays: both
-    ranks save the same step and stop with the lost-rank code (75, which asks for a restart),
-    not rank 0 with the signal code (76); rank 0 names rank 1's agent; the rerun ends bitwise
-    equal to a run never stopped."""
+    """When rank 1's agent goes both ranks save one step and stop with 75; the rerun is bitwise."""
+    # 75, the lost-rank code, asks for a restart; rank 0 must not stop with the signal's 76.
     config = _config(str(tmp_path))
     # A torchrun agent's variable: each rank then watches its parent as its agent.
     env = {"TORCHELASTIC_RUN_ID": "lost-launcher-test"}
@@ -324,8 +314,7 @@ def test_one_rank_losing_its_launcher_stops_every_rank_with_the_lost_rank_code(t
 
 
 def test_the_stop_line_says_how_to_continue_as_the_run_was_configured():
-    """With resume='auto' the same command continues; without it, the line names the setting
-    and its flag instead of promising what the same command would not do."""
+    """With resume='auto' the stop line says to rerun the command; without, it names the setting."""
     agreed = Agreed(True, 76, {"SIGTERM": [0, 1]})
     resumes = agreed.message(5, "saved ckpt/ckpt-00000005.pt in 0.01 s", resumes=True)
     fresh = agreed.message(5, "saved ckpt/ckpt-00000005.pt in 0.01 s", resumes=False)

@@ -75,8 +75,8 @@ def _fit_three_times(config: TrainerConfig) -> list[int]:
 
 
 def test_fit_again_in_the_same_processes_creates_a_fresh_group(tmp_path):
-    """Three fit() calls in one pair of processes, each creating and destroying the group on
-    spawn's file:// rendezvous, all train (the second used to meet the first's stale keys)."""
+    """Three fit() calls in one pair of processes each create a fresh group and all train."""
+    # On spawn's file:// rendezvous a second group could meet the first's stale keys.
     cfg = _config(tmp_path, epochs=1, checkpoint_dir=None, log_dir=None)
     steps = ddptrain.spawn(_fit_three_times, 2, cfg, timeout_s=120)
     assert steps == [[8, 8, 8]] * 2
@@ -94,8 +94,8 @@ Path({tmp!r}, "steps-" + os.environ["RANK"]).write_text(json.dumps(steps))
 
 @pytest.mark.slow
 def test_fit_again_under_torchrun_uses_fresh_store_keys(tmp_path):
-    """Under torchrun (env://, the agent's store outlives each group) three fit() calls in the
-    same ranks all train instead of hanging on the first group's keys."""
+    """Under torchrun three fit() calls in the same ranks all train, none hangs on stale keys."""
+    # With env:// the agent's store outlives each group.
     script = tmp_path / "three_fits.py"
     script.write_text(_FIT_THREE_TIMES.format(tmp=str(tmp_path)))
     here = Path(__file__).resolve().parent
@@ -233,8 +233,7 @@ def _fit_printing(config: TrainerConfig) -> tuple[int, str]:
 
 
 def test_resume_auto_sets_a_truncated_newest_checkpoint_aside_and_resumes_before_it(tmp_path):
-    """resume='auto' behind a truncated newest checkpoint: rank 0 alone says in one line which
-    file and why, the file moves intact into invalid/, and the run resumes from the one before."""
+    """resume='auto' sets a truncated newest checkpoint aside in one line, resuming before it."""
     cfg = _config(tmp_path, epochs=1)  # 8 steps: checkpoints at steps 5 and 8
     ddptrain.spawn(_run_fit, 1, cfg, timeout_s=120)
     directory = tmp_path / "ckpt"
@@ -306,8 +305,8 @@ def _fit_plateau(config) -> float:
 
 
 def test_reduce_lr_on_plateau_steps_after_each_evaluation_with_its_metric(tmp_path):
-    """A ReduceLROnPlateau is stepped with eval_loss after each evaluation, not per step (which
-    raised TypeError): 4 evaluations of a flat loss halve the lr 3 times."""
+    """ReduceLROnPlateau steps on eval_loss after each evaluation: 4 flat ones halve lr 3 times."""
+    # Stepped per step instead, without its metric, it raised TypeError.
     cfg = TrainerConfig(global_batch_size=12, max_steps=8, eval_every_steps=2, progress_bar=False)
     [lr] = ddptrain.spawn(_fit_plateau, 1, cfg, timeout_s=120)
     assert lr == 0.1 * 0.5**3

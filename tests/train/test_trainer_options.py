@@ -306,9 +306,7 @@ def test_metrics_jsonl_holds_window_mean_losses_lr_and_the_eval(world):
 
 
 def test_one_epoch_numbering_in_records_lines_checkpoints_and_summary(world):
-    """Every place numbers a step's epoch from 1: the last step of the first epoch is epoch 1
-    in metrics.jsonl, the eval line (`epoch 1/2`) and its checkpoint's sidecar; the run's last
-    step is epoch 2 everywhere, the summary included."""
+    """Epochs count from 1 alike in metrics.jsonl, the eval line, the sidecars and the summary."""
     r = worlds.outcome(world[1], "metrics")[0]
     half = STEPS // 2
     evals = [(rec["step"], rec["epoch"]) for rec in r["records"] if "eval_loss" in rec]
@@ -358,8 +356,8 @@ def _case_evaluate(info, root: str) -> dict:
 
 
 def test_evaluate_equals_one_process_on_the_whole_set(world):
-    """evaluate() at 3 ranks equals one process on the whole set, also with an empty shard, and
-    leaves the global RNG alone (training's dropout masks must not depend on evaluating)."""
+    """evaluate() at 3 ranks equals one process on the whole set, even with an empty shard."""
+    # The global RNG is left alone: training's dropout masks must not depend on evaluating.
     for r in worlds.outcome(world[1], "evaluate"):
         for n, d in r.items():
             assert d["rng_kept"], "evaluate() drew from the global torch RNG"

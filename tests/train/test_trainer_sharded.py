@@ -58,9 +58,7 @@ def _fits(runs: list[tuple]) -> list:
 
 
 def test_stages_2_and_3_train_bitwise_like_stage_0(tmp_path):
-    """32 steps at ws=2 (SGD, momentum, weight decay, StepLR, dropout, evaluations,
-    checkpoints; alone and with 2-step accumulation): zero_stage 2 and 3 end with the stage-0
-    weights and evaluations bitwise."""
+    """zero_stage 2 and 3 end on stage 0's weights and evaluations bitwise (32 steps at ws=2)."""
     runs = [
         (_config(tmp_path / f"s{stage}-a{accum}", zero_stage=stage, grad_accum_steps=accum), 0.1)
         for accum in (1, 2)
@@ -76,9 +74,8 @@ def test_stages_2_and_3_train_bitwise_like_stage_0(tmp_path):
 
 
 def test_clipping_is_bitwise_the_same_at_every_zero_stage(tmp_path):
-    """With an active grad_clip_norm every stage clips by the exact norm (ddp/exact.py), whose
-    bits do not depend on how the gradient is split: stages 0, 1, 2 and 3 end bitwise equal
-    after 32 steps at ws=2, and the clip was active."""
+    """With an active grad_clip_norm, stages 0-3 end bitwise equal after 32 steps at ws=2."""
+    # Every stage clips by the exact norm (ddp/exact.py): its bits ignore how the gradient is split.
     runs = [(_config(tmp_path / f"s{s}", zero_stage=s, grad_clip_norm=0.05),) for s in (0, 1, 2, 3)]
     runs.append((_config(tmp_path / "free", zero_stage=0),))
     results = ddptrain.spawn(_fits, 2, runs, timeout_s=240)
@@ -89,10 +86,7 @@ def test_clipping_is_bitwise_the_same_at_every_zero_stage(tmp_path):
 
 
 def test_stage_3_crash_and_resume_is_exact_and_the_checkpoint_is_plain(tmp_path):
-    """A zero_stage=3 run crashed at step 13 and resumed at ws=2 (a fresh process) ends bitwise
-    equal to the uninterrupted run, dropout draws included; a ws=2 stage-3 checkpoint resumed
-    at ws=3 with stage 2 ends within 1e-5 of the uninterrupted stage-0 run; the checkpoint
-    holds the plain module's keys and torch.optim.SGD's own layout."""
+    """Stage 3 resumes bitwise at ws=2, within 1e-5 at ws=3, from a checkpoint in plain layouts."""
     crashed = _config(tmp_path / "b", resume="auto", zero_stage=3)
     smooth = _config(tmp_path / "d", resume="auto", zero_stage=3)
     straight = [(_config(tmp_path / "a", zero_stage=3), 0.3), (_config(tmp_path / "c"), 0.0)]

@@ -87,9 +87,7 @@ def _run_uneven(config: TrainerConfig, root: str) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_uneven_parts_train_to_the_end_on_every_rank(tmp_path, world_size):
-    """Parts of 16/24(/32) samples: every rank finishes each epoch, replicas and optimizers agree,
-    the step count is the longest part's, resuming from an epoch's end continues exactly, and
-    SyncBatchNorm with the all_reduce hook trains through join too."""
+    """Every rank trains to the longest part's step count; replicas agree and resume is exact."""
     cfg = TrainerConfig(
         global_batch_size=BATCH // 2 * world_size,
         epochs=3,
@@ -131,8 +129,7 @@ def _run_late_rounds(config: TrainerConfig) -> dict:
 
 
 def test_a_rank_out_of_data_mid_round_or_before_a_nan_step_does_not_hang(tmp_path):
-    """Accumulation where one part ends mid-round, and a non-finite step after a part ran out
-    (skip and stop): every rank finishes or raises the same error; replicas agree."""
+    """A part ending mid-round or before a NaN step: each rank finishes or raises the same error."""
     cfg = TrainerConfig(global_batch_size=8, epochs=2, check_replicas_every=1, progress_bar=False)
     cfg = replace(cfg, timeout_s=60)  # a mismatch fails within a minute instead of hanging
     results = ddptrain.spawn(_run_late_rounds, 2, cfg, timeout_s=240)
