@@ -154,11 +154,13 @@ def worker_processes(num_workers: int) -> dict[str, Any]:
     # Not forked from this process: a rank runs threads (communication, heartbeat), and a
     # fork while one of them holds an interpreter lock leaves the worker deadlocked at its
     # start (seen on Python 3.11). Persistent, so the start is paid once, not per epoch.
-    methods = mp.get_all_start_methods()
-    return {
-        "multiprocessing_context": "forkserver" if "forkserver" in methods else "spawn",
-        "persistent_workers": True,
-    }
+    if "forkserver" not in mp.get_all_start_methods():
+        return {"multiprocessing_context": "spawn", "persistent_workers": True}
+    ctx = mp.get_context("forkserver")
+    # The workers then fork with torch imported instead of importing it each (seconds a
+    # worker). Only if this starts the process's forkserver; one already running keeps its own.
+    ctx.set_forkserver_preload(["torch"])
+    return {"multiprocessing_context": ctx, "persistent_workers": True}
 
 
 def optimizer(cfg: TrainerConfig, value: Any) -> tuple[torch.optim.Optimizer, Any]:
