@@ -6,12 +6,13 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import torch.distributed as dist
 
+from support import forked
 from support.child_env import child_env
+from support.forked import ForkedProcess
 
 # Each child sets up a world with this collective timeout; a rendezvous that waits it out fails
 # the test by its message (the wait is the bug), a rendezvous that hangs fails it by HANG_S.
@@ -45,7 +46,7 @@ def _free_port() -> int:
 
 def _start(
     rank: int, world_size: int, port: int, timeout_s: float = TIMEOUT_S, **extra: str
-) -> subprocess.Popen:
+) -> ForkedProcess:
     env = child_env(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -53,16 +54,10 @@ def _start(
         MASTER_PORT=str(port),
         **extra,
     )
-    return subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(timeout_s)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return forked.popen(["-c", CHILD, str(timeout_s)], env=env)
 
 
-def _finish(proc: subprocess.Popen, within_s: float = HANG_S) -> tuple[int, str]:
+def _finish(proc: ForkedProcess, within_s: float = HANG_S) -> tuple[int, str]:
     try:
         out, _ = proc.communicate(timeout=within_s)
     except subprocess.TimeoutExpired:

@@ -5,8 +5,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -25,6 +23,7 @@ from ddptrain.train.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from support import forked
 from support.checkpoint_files import file_names, tiny_state
 
 try:
@@ -144,13 +143,8 @@ ckpt.save_checkpoint(directory, {"model": {"w": torch.full((256, 256), 2.0)}}, s
 def test_save_killed_midway_keeps_previous_checkpoint(tmp_path, stage):
     """A save SIGKILLed anywhere leaves the previous checkpoint latest; the next save cleans up."""
     save_checkpoint(tmp_path, tiny_state(1.0), step=1)
-    child = subprocess.run(
-        [sys.executable, "-c", _KILLED_SAVE, stage, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert child.returncode == -signal.SIGKILL, child.stderr
+    child = forked.run(["-c", _KILLED_SAVE, stage, str(tmp_path)], timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stdout
     leftovers = set(file_names(tmp_path)) - {"ckpt-00000001.pt", "ckpt-00000001.json"}
     temps = {name for name in leftovers if name.endswith(".tmp")}
     assert len(temps) == 1

@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +14,9 @@ import pytest
 import torch
 
 import ddptrain
+from support import forked
 from support.fault_runs import DETECTED_WITHIN_S, JOB
+from support.forked import ForkedProcess
 
 
 def _free_port() -> int:
@@ -25,7 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_ranks(world_size: int, args: list[str], tmp_path: Path) -> list[subprocess.Popen]:
+def _launch_ranks(world_size: int, args: list[str], tmp_path: Path) -> list[ForkedProcess]:
     """Start each rank as its own process (no launcher that would kill the survivors for us)."""
     port = _free_port()
     procs = []
@@ -39,20 +39,11 @@ def _launch_ranks(world_size: int, args: list[str], tmp_path: Path) -> list[subp
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(JOB), *args],
-                env=env,
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+        procs.append(forked.popen([str(JOB), *args], env=env, cwd=tmp_path))
     return procs
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> tuple[list[float], list[str]]:
+def _wait_all(procs: list[ForkedProcess], timeout_s: float) -> tuple[list[float], list[str]]:
     """Wait for every process; return each one's exit time and output (kill all on timeout)."""
     deadline = time.monotonic() + timeout_s
     exit_times: dict[int, float] = {}
@@ -166,9 +157,7 @@ def test_a_dead_store_is_named_once_and_no_live_peer_is_called_lost(capfd):
     """A dead store is reported as unreachable with one C++ trace per rank; no peer is lost."""
     # Its port refuses connections, so each heartbeat stops calling it after one failed beat.
     port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-c", _STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True
-    )
+    server = forked.popen(["-c", _STORE_SERVER, str(port)])
     try:
         assert server.stdout.readline().strip() == "up"
         # Fresh interpreters ("spawn"): they write to this test's captured stderr, where a

@@ -1,0 +1,168 @@
+"""`python script.py ARGS` or `python -c CODE ARGS` as a process forked from a server that has
+imported torch and ddptrain: a rank of its own, without paying the torch import (2-3 s on a
+2-core machine) each time a test starts one.
+
+    proc = forked.popen([str(JOB), "--fault", "kill:2:5"], env=env, cwd=tmp_path)
+    proc.poll(); proc.wait(timeout=60); proc.kill(); proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)        # stdout and stderr together, as text
+    done = forked.run(["-c", CODE, "arg"], env=env, timeout=60)   # .returncode, .stdout
+
+The child sets the environment, working directory, sys.argv and sys.path as the interpreter
+would, then runs the script as __main__; its exit status is the script's (SystemExit's code, 1
+for an exception, -N for a signal N), as with subprocess. What it cannot do like a fresh
+interpreter: settings torch reads once at import come from the server (the ranks set their
+thread count from OMP_NUM_THREADS instead), and modules the server imported are not imported
+again. Tests that check an interpreter's start, or torch's import, start real ones.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+# The same list as ddptrain.spawn's: whichever starts the server first sets it.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddptrain"]
+_POLL_S = 0.02
+
+
+def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str) -> None:
+    out = os.open(out_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    # The server's default: a signal the test sends must reach the script as it would a
+    # fresh interpreter (a terminal's Ctrl-C is a KeyboardInterrupt).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[0] = ""
+            exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = str(Path(argv[0]).resolve().parent)
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit:
+        raise  # multiprocessing maps its code as the interpreter does
+    except BaseException:
+        # As the interpreter reports it, not as multiprocessing does ("Process ...:" first).
+        traceback.print_exc()
+        raise SystemExit(1) from None
+    finally:
+        # multiprocessing ends its children with os._exit, which skips these.
+        atexit._run_exitfuncs()
+
+
+class _Output:
+    """The child's stdout and stderr, read from the file they go to."""
+
+    def __init__(self, path: str, proc: ForkedProcess):
+        self._file = open(path, encoding="utf-8", errors="replace")
+        self._proc = proc
+
+    def readline(self) -> str:
+        """The next whole line, waiting for it while the child runs ("" once it has ended)."""
+        line = ""
+        while True:
+            line += self._file.readline()
+            if line.endswith("\n") or (self._proc.poll() is not None and not self._more()):
+                return line
+            time.sleep(_POLL_S)
+
+    def _more(self) -> bool:
+        at = self._file.tell()
+        more = bool(self._file.read(1))
+        self._file.seek(at)
+        return more
+
+    def read(self) -> str:
+        return self._file.read()
+
+
+class ForkedProcess:
+    """The subprocess.Popen methods the tests use, for a child of the preloaded server."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None, cwd: str | Path | None):
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        fd, self._out_path = tempfile.mkstemp(prefix="ddptrain-forked-", suffix=".out")
+        os.close(fd)
+        self._process = ctx.Process(
+            target=_child,
+            args=(list(argv), dict(os.environ if env is None else env), str(cwd or os.getcwd())),
+            kwargs={"out_path": self._out_path},
+        )
+        self._process.start()
+        self.pid = self._process.pid
+        self.stdout = _Output(self._out_path, self)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(["forked", self.pid], timeout)
+        return self._process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        return self.stdout.read(), None
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __del__(self) -> None:
+        try:
+            os.unlink(self._out_path)
+        except OSError:
+            pass
+
+
+def popen(
+    argv: list[str], env: dict[str, str] | None = None, cwd: str | Path | None = None
+) -> ForkedProcess:
+    """Start `argv` (a script and its arguments, or "-c", code and arguments) as a child of
+    the preloaded server; its stdout and stderr go to `.stdout`, together."""
+    return ForkedProcess(argv, env, cwd)
+
+
+def run(
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout: float | None = None,
+) -> subprocess.CompletedProcess:
+    """popen, then wait for it (killed after `timeout`, raising TimeoutExpired)."""
+    proc = popen(argv, env, cwd)
+    try:
+        out, _ = proc.communicate(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, "")
