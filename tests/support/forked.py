@@ -99,8 +99,11 @@ class ForkedProcess:
     """The subprocess.Popen methods the tests use, for a child of the preloaded server."""
 
     def __init__(self, argv: list[str], env: dict[str, str] | None, cwd: str | Path | None):
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        if "forkserver" in mp.get_all_start_methods():
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(_PRELOAD)
+        else:  # a fresh interpreter, as subprocess would start
+            ctx = mp.get_context("spawn")
         fd, self._out_path = tempfile.mkstemp(prefix="ddptrain-forked-", suffix=".out")
         os.close(fd)
         self._process = ctx.Process(
