@@ -38,6 +38,7 @@ _POLL_S = 0.02
 
 def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str) -> None:
     out = os.open(out_path, os.O_WRONLY | os.O_APPEND)
+    os.unlink(out_path)  # the parent reads it through the handle it opened before the start
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
@@ -111,9 +112,9 @@ class ForkedProcess:
             args=(list(argv), dict(os.environ if env is None else env), str(cwd or os.getcwd())),
             kwargs={"out_path": self._out_path},
         )
+        self.stdout = _Output(self._out_path, self)
         self._process.start()
         self.pid = self._process.pid
-        self.stdout = _Output(self._out_path, self)
 
     @property
     def returncode(self) -> int | None:
@@ -140,7 +141,7 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
     def __del__(self) -> None:
-        try:
+        try:  # a child that ended before it opened the file left it behind
             os.unlink(self._out_path)
         except OSError:
             pass
