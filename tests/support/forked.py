@@ -47,8 +47,8 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str) -> Non
     os.chdir(cwd)
     if "OMP_NUM_THREADS" in env:
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    # The server's default: a signal the test sends must reach the script as it would a
-    # fresh interpreter (a terminal's Ctrl-C is a KeyboardInterrupt).
+    # As in an interpreter started from a terminal, whatever the server inherited (a suite run
+    # as a background job ignores SIGINT): SIGINT is a KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if argv[0] == "-c":
