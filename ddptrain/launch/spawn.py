@@ -38,7 +38,7 @@ from ddptrain.launch.report import REPORT_DIR_ENV
 _POLL_S = 0.05
 # Imported once by the forkserver, not by every worker: torch (~2 s here) and torch._dynamo,
 # which the first optimizer a process builds imports (~3 s here).
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddptrain"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddptrain"]
 
 
 class WorkerError(RuntimeError):
@@ -128,7 +128,7 @@ def _context(start_method: str | None) -> Any:
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         # Takes effect when the server starts (the first forkserver start in this process).
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 

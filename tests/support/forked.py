@@ -11,13 +11,13 @@ The child sets the environment, working directory, sys.argv and sys.path as the 
 would, then runs the script as __main__; its exit status is the script's (SystemExit's code, 1
 for an exception, -N for a signal N), as with subprocess. What it cannot do like a fresh
 interpreter: settings torch reads once at import come from the server (the ranks set their
-thread count from OMP_NUM_THREADS instead), and modules the server imported are not imported
-again. Tests that check an interpreter's start, or torch's import, start real ones.
+thread count from OMP_NUM_THREADS instead), modules the server imported are not imported again,
+and atexit handlers do not run (multiprocessing ends its children with os._exit). Tests that
+check an interpreter's start, or torch's import, start real ones.
 """
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing as mp
 import os
 import runpy
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-# The same list as ddptrain.spawn's: whichever starts the server first sets it.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddptrain"]
+from ddptrain.launch.spawn import PRELOAD
+
 _POLL_S = 0.02
 
 
@@ -65,9 +65,6 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str) -> Non
         # As the interpreter reports it, not as multiprocessing does ("Process ...:" first).
         traceback.print_exc()
         raise SystemExit(1) from None
-    finally:
-        # multiprocessing ends its children with os._exit, which skips these.
-        atexit._run_exitfuncs()
 
 
 class _Output:
@@ -80,17 +77,12 @@ class _Output:
     def readline(self) -> str:
         """The next whole line, waiting for it while the child runs ("" once it has ended)."""
         line = ""
-        while True:
+        while not line.endswith("\n"):
+            if self._proc.poll() is not None:
+                return line + self._file.readline()  # all it wrote is in the file now
             line += self._file.readline()
-            if line.endswith("\n") or (self._proc.poll() is not None and not self._more()):
-                return line
             time.sleep(_POLL_S)
-
-    def _more(self) -> bool:
-        at = self._file.tell()
-        more = bool(self._file.read(1))
-        self._file.seek(at)
-        return more
+        return line
 
     def read(self) -> str:
         return self._file.read()
@@ -102,7 +94,8 @@ class ForkedProcess:
     def __init__(self, argv: list[str], env: dict[str, str] | None, cwd: str | Path | None):
         if "forkserver" in mp.get_all_start_methods():
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(_PRELOAD)
+            # ddptrain.spawn's list: whichever of the two starts the server sets it.
+            ctx.set_forkserver_preload(PRELOAD)
         else:  # a fresh interpreter, as subprocess would start
             ctx = mp.get_context("spawn")
         fd, self._out_path = tempfile.mkstemp(prefix="ddptrain-forked-", suffix=".out")
