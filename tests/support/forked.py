@@ -70,15 +70,17 @@ def _child(argv: list[str], env: dict[str, str], cwd: str, out_path: str) -> Non
 class _Output:
     """The child's stdout and stderr, read from the file they go to."""
 
-    def __init__(self, path: str, proc: ForkedProcess):
+    def __init__(self, path: str, process: mp.process.BaseProcess):
         self._file = open(path, encoding="utf-8", errors="replace")
-        self._proc = proc
+        # The process, not the ForkedProcess: no reference cycle, so the file closes as soon as
+        # the test drops it, never inside a later test's warnings.catch_warnings.
+        self._process = process
 
     def readline(self) -> str:
         """The next whole line, waiting for it while the child runs ("" once it has ended)."""
         line = ""
         while not line.endswith("\n"):
-            if self._proc.poll() is not None:
+            if self._process.exitcode is not None:
                 return line + self._file.readline()  # all it wrote is in the file now
             line += self._file.readline()
             time.sleep(_POLL_S)
@@ -86,6 +88,9 @@ class _Output:
 
     def read(self) -> str:
         return self._file.read()
+
+    def __del__(self) -> None:
+        self._file.close()
 
 
 class ForkedProcess:
@@ -105,7 +110,7 @@ class ForkedProcess:
             args=(list(argv), dict(os.environ if env is None else env), str(cwd or os.getcwd())),
             kwargs={"out_path": self._out_path},
         )
-        self.stdout = _Output(self._out_path, self)
+        self.stdout = _Output(self._out_path, self._process)
         self._process.start()
         self.pid = self._process.pid
 

@@ -153,7 +153,8 @@ def test_save_killed_midway_keeps_previous_checkpoint(tmp_path, stage):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         latest = latest_checkpoint(tmp_path)
-    assert len(caught) == (1 if stage == "before_sidecar" else 0)  # temp files are not candidates
+    skipped = [w for w in caught if "skipping invalid checkpoint" in str(w.message)]
+    assert len(skipped) == (1 if stage == "before_sidecar" else 0)  # temp files are not candidates
     assert latest == tmp_path / "ckpt-00000001.pt"
     assert torch.equal(load_checkpoint(latest)["model"]["w"], torch.ones(3))
 
@@ -244,7 +245,8 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path):
     with pytest.raises(CheckpointError, match="refuses to unpickle"):
         load_checkpoint(path)
     assert not marker.exists()
-    torch.load(path, weights_only=False)  # proves the payload is live: unsafe loading runs it
+    opened = torch.load(path, weights_only=False)["x"]  # unsafe loading runs the payload
+    opened.close()
     assert marker.exists()
 
 
