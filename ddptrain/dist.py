@@ -8,7 +8,7 @@
 It reads os.environ and hands it to the pure parsers in ddptrain.launch.env (which launcher
 wins when several left variables, and why: see there; commands: docs/launch.md). One process
 is simply world_size 1 of the same path: without launcher variables, `init_distributed` still
-creates a process group (a private `file://` store), so every collective in ddptrain runs
+creates a process group (a private in-memory store), so every collective in ddptrain runs
 unchanged.
 """
 
@@ -18,7 +18,6 @@ import datetime
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -120,12 +119,6 @@ def init_distributed(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     method = init_method or launch.init_method
-    if method is None:
-        # A world of one still gets a real process group, so no code path is single-process only.
-        fd, path = tempfile.mkstemp(prefix="ddptrain-store-")
-        os.close(fd)
-        os.unlink(path)
-        method = f"file://{path}"
     kwargs = {}
     if device.type == "cuda" and backend == "nccl":
         # Binds NCCL's communicator to this rank's GPU; gloo carries any device's tensors.
@@ -134,7 +127,11 @@ def init_distributed(
     set_timeout_s(timeout_s)
     group = _next_group()
     try:
-        if method == "env://":
+        if method is None:
+            # A world of one still gets a real process group, so no code path is single-process
+            # only; its store lives in memory, so nothing is left on disk, even by a killed run.
+            kwargs["store"] = dist.HashStore()
+        elif method == "env://":
             kwargs["store"] = env_store(launch, timeout)
         else:
             kwargs["init_method"] = _fresh_file(method, group)

@@ -3,6 +3,7 @@
 import os
 import pickle
 import queue
+import tempfile
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -99,6 +100,18 @@ def test_world_of_one_runs_collectives(monkeypatch):
     assert t.tolist() == [1.0, 2.0] and total.tolist() == [2.0, 3.0]
     ddptrain.shutdown()
     ddptrain.shutdown()
+
+
+def test_a_world_of_one_writes_no_file_a_killed_run_would_leave(monkeypatch, tmp_path):
+    """A plain process's group, its second one included, keeps its store off the disk."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", INIT_METHOD_ENV):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for _ in range(2):
+        ddptrain.init_distributed()
+        torch.distributed.barrier()
+        assert list(tmp_path.iterdir()) == []
+        ddptrain.shutdown()
 
 
 def _run_collectives() -> tuple:

@@ -217,7 +217,7 @@ def _rendezvous(
     launcher: str,
     env: Mapping[str, str],
 ) -> LaunchEnv:
-    # A world of one needs no store on a port: the same private file:// store as a plain run.
+    # A world of one needs no store on a port: the same private in-memory store as a plain run.
     init_method = "env://" if world_size > 1 else env.get(INIT_METHOD_ENV)
     return LaunchEnv(
         rank,
