@@ -69,6 +69,16 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def rounds_apart(measured: dict[str, Any]) -> float | None:
+    """How far apart the rounds of one setup measured: the slowest round's step over the
+    fastest's, less 1 (0.2: 20% apart); None for a single round. A prediction cannot be judged
+    closer to the run than the runs come to each other."""
+    steps = measured.get("round_step_s") or []
+    if len(steps) < 2 or min(steps) <= 0:
+        return None
+    return max(steps) / min(steps) - 1
+
+
 def beyond_gpus(world_sizes: list[int], gpus: int) -> list[int]:
     """The world sizes a CUDA check cannot run on `gpus` GPUs: NCCL wants a GPU per rank."""
     return [n for n in world_sizes if n > gpus]
@@ -163,6 +173,7 @@ def compare(
         "predicted_peak_bytes": point.peak_bytes,
         "measured_peak_bytes": measured["peak_bytes"],
         "peak_ratio": point.peak_bytes / measured["peak_bytes"],
+        "rounds_apart": rounds_apart(measured),
         "background_threads": background,
         "load_avg_1m": os.getloadavg()[0],
         "measured": measured,

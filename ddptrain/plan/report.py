@@ -3,13 +3,14 @@
 print(format_table(predictions))            # per strategy and world size
 print(format_choice(predictions, [1, 2, 4])) # the largest efficient world size, its strategy
 print(text_chart(predictions))              # step time and memory against world size, as bars
-print(format_check(rows))                   # predicted, measured, ratio
+print(format_check(rows))                   # predicted, measured, ratio, rounds apart
 print(format_picks(rows))                   # the plan's pick against the measured fastest
 plot(predictions, rows, Path("plan.png"))   # step time and memory against world size
 """
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -93,16 +94,19 @@ def text_chart(predictions: list[Prediction], width: int = 40) -> str:
 
 
 def format_check(rows: list[dict[str, Any]]) -> str:
-    """Predicted against measured, with the ratio, one row per configuration run."""
+    """Predicted against measured, with the ratio, one row per configuration run; with rounds,
+    how far apart they measured (check.rounds_apart)."""
     head = (
-        f"{'configuration':<34} {'step ms: pred':>13} {'meas':>8} {'ratio':>6}   "
+        f"{'configuration':<34} {'step ms: pred':>13} {'meas':>8} {'ratio':>6} {'apart':>6}   "
         f"{'peak MiB: pred':>14} {'meas':>7} {'ratio':>6}  {'bg':>4}"
     )
     lines = [head]
     for r in rows:
+        apart = r.get("rounds_apart")
         lines.append(
             f"{r['configuration']:<34} {1e3 * r['predicted_step_s']:>13.1f} "
-            f"{1e3 * r['measured_step_s']:>8.1f} {r['step_ratio']:>6.2f}   "
+            f"{1e3 * r['measured_step_s']:>8.1f} {r['step_ratio']:>6.2f} "
+            f"{'-' if apart is None else f'{100 * apart:.0f}%':>6}   "
             f"{r['predicted_peak_bytes'] / MIB:>14.1f} {r['measured_peak_bytes'] / MIB:>7.1f} "
             f"{r['peak_ratio']:>6.2f}  {r['background_threads']:>4.1f}"
         )
@@ -112,6 +116,13 @@ def format_check(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"step time within 15%: {within_time} of {len(rows)}; peak memory within 10%: "
             f"{within_mem} of {len(rows)} (bg: busy threads of other programs before the run)"
+        )
+    aparts = [r["rounds_apart"] for r in rows if r.get("rounds_apart") is not None]
+    if aparts:
+        lines.append(
+            f"apart: the rounds of one configuration measured up to {100 * max(aparts):.0f}% "
+            f"apart (median {100 * statistics.median(aparts):.0f}%); no prediction can be "
+            "judged closer to a run than that"
         )
     return "\n".join(lines)
 

@@ -6,7 +6,7 @@ import pytest
 
 from ddptrain.bench.hosts import RunFailed
 from ddptrain.plan import plan
-from ddptrain.plan.check import combine, compare, run_local, run_twice_at_most
+from ddptrain.plan.check import combine, compare, rounds_apart, run_local, run_twice_at_most
 from ddptrain.plan.predict import (
     Point,
     Prediction,
@@ -15,7 +15,7 @@ from ddptrain.plan.predict import (
     pick,
     set_efficiency,
 )
-from ddptrain.plan.report import format_choice, format_picks, plot
+from ddptrain.plan.report import format_check, format_choice, format_picks, plot
 from ddptrain.plan.run import MAX_BLOCK, Steps, block_steps
 from ddptrain.plan.setup import Setup
 from support.plan_profiles import ddp_profile
@@ -175,3 +175,20 @@ def test_rounds_of_a_run_pool_their_blocks():
     assert len(both["block_step_s"]) == 6
     assert (both["peak_bytes"], both["rss_before_model_bytes"]) == (8, 3)
     assert combine(runs[:1]) is runs[0]
+
+
+def test_the_check_says_how_far_apart_the_rounds_of_one_configuration_measured():
+    """Rounds measuring 1.0 s and 1.25 s are 25% apart; one round has no such figure."""
+    rounds = [{"step_s": s, "block_step_s": [s], "peak_bytes": 1, "rss_before_model_bytes": 1,
+               "max_rss_bytes": 1} for s in (1.25, 1.0)]  # fmt: skip
+    assert rounds_apart(combine(rounds)) == pytest.approx(0.25)
+    assert rounds_apart(combine(rounds[:1])) is None
+    point = Point(2, 1.1, 1.0, 2 / 1.1, 1, {})
+    rows = [compare(Setup(model="lenet"), point, combine(r), "local", 0.0)
+            for r in (rounds, rounds[:1], [rounds[1], {**rounds[1], "step_s": 1.1}])]  # fmt: skip
+    lines = format_check(rows).splitlines()
+    assert lines[1].split()[-5] == "25%" and lines[2].split()[-5] == "-", lines
+    assert lines[3].split()[-5] == "10%", lines
+    assert lines[-1].startswith("apart: the rounds of one configuration measured up to 25% "
+                                "apart (median 18%)"), lines[-1]  # fmt: skip
+    assert not format_check(rows[1:2]).splitlines()[-1].startswith("apart"), "one round each"
