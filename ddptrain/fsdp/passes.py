@@ -65,6 +65,29 @@ class Pass:
             )
         self.ran.append(unit)
 
+    def plan_backward(self, order: list[Unit], root: Unit | None, reshard: bool) -> None:
+        """After a training forward, this pass's backward orders from the units' shared
+        `order`, the same on every rank whichever units ran here; `root`: the unit of the whole
+        module, if any (never freed after a training forward: its backward comes first)."""
+        ran = {id(u) for u in self.ran}
+        self.skipped = {id(u) for u in order if id(u) not in ran}
+        # Reductions in reverse forward order (units whose backward ends first); a unit this
+        # rank skipped has no backward to wait for: its gradients (none, or no_sync()'s) are
+        # complete now.
+        self.reduce_order = order[::-1]
+        self.ready.update(self.skipped)
+        if reshard:
+            # Every unit but the root is gathered again, here too if this rank skipped it: it
+            # pairs with the gathers of the ranks that ran it.
+            self.gather_order = [u for u in reversed(order) if u is not root]
+            self.gather_position = {id(u): i for i, u in enumerate(self.gather_order)}
+
+    def issue_gathers(self, count: int) -> None:
+        """Start the gathers of the first `count` units of gather_order not yet started."""
+        while self.gathers_issued < min(count, len(self.gather_order)):
+            self.gather_order[self.gathers_issued].gather()
+            self.gathers_issued += 1
+
     def free_skipped(self, position: int) -> None:
         """Free the units before `position` in gather_order that this rank's forward skipped:
         gathered only to pair with the other ranks', and no backward of theirs runs here."""

@@ -125,6 +125,7 @@ class FullyShardedDataParallel(nn.Module):
                 functools.partial(self._before_forward, unit), with_kwargs=True
             )
             unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
+        self._root = next((u for u in self.units if u.module is module), None)
         self._model_buffers = ModelBuffers(module, process_group)
         self.exact = ExactGradients(module, process_group) if deterministic else None
         self.require_backward_grad_sync = True
@@ -201,33 +202,18 @@ class FullyShardedDataParallel(nn.Module):
 
     def _end_forward(self, training: bool) -> None:
         """Gather what the forward skipped, to pair with the ranks that ran it, and free it;
-        after a training forward, the orders of its backward."""
+        after a training forward, the orders of its backward (the same on every rank)."""
         self._schedule.end()
         ran = {id(u) for u in self._pass.ran} if training else set()
         for unit in self.units:
             if id(unit) not in ran:
                 unit.free()
-        if training:
-            self._after_training_forward(ran)
-
-    def _after_training_forward(self, ran: set[int]) -> None:
-        """The orders of this pass's backward, the same on every rank whichever units ran."""
-        p = self._pass
+        if not training:
+            return
         if not self._order_learned:
-            self._schedule = Schedule(learn_order(p.ran, self.units, self._gather_group))
+            self._schedule = Schedule(learn_order(self._pass.ran, self.units, self._gather_group))
             self._order_learned = True
-        order = self._schedule.units
-        p.skipped = {id(u) for u in order if id(u) not in ran}
-        # Reductions in reverse forward order (units whose backward ends first); a unit this
-        # rank skipped has no backward to wait for: its gradients (none, or no_sync()'s) are
-        # complete now.
-        p.reduce_order = order[::-1]
-        p.ready.update(p.skipped)
-        if self.reshard_after_forward:
-            # Every unit but the root (never freed after a training forward) is gathered again,
-            # here too if this rank skipped it: it pairs with the gathers of the ranks that ran it.
-            p.gather_order = [u for u in reversed(order) if u.module is not self.module]
-            p.gather_position = {id(u): i for i, u in enumerate(p.gather_order)}
+        self._pass.plan_backward(self._schedule.units, self._root, self.reshard_after_forward)
 
     # ----------------------------------------------------------------------------- backward
     def _before_backward(self, unit: Unit, p: Pass, *grads: Any) -> None:
@@ -239,7 +225,7 @@ class FullyShardedDataParallel(nn.Module):
             return  # still gathered since its forward
         # Gathers are issued in gather_order on every rank, even for a unit whose backward does
         # not run here, so that they pair with the other ranks'; the next one is prefetched.
-        self._issue_gathers(p, position + 2)
+        p.issue_gathers(position + 2)
         unit.wait()
         unit.use_full()
         p.free_skipped(position)
@@ -250,12 +236,6 @@ class FullyShardedDataParallel(nn.Module):
             p.callback_queued = True
             if self.exact is not None:
                 self.exact.backward_started()
-
-    def _issue_gathers(self, p: Pass, count: int) -> None:
-        """Start the gathers of the first `count` units of gather_order not yet started."""
-        while p.gathers_issued < min(count, len(p.gather_order)):
-            p.gather_order[p.gathers_issued].gather()
-            p.gathers_issued += 1
 
     def _after_backward(self, unit: Unit, p: Pass) -> None:
         """A unit's backward is done (its inputs' gradients are computed): free its parameters,
@@ -297,7 +277,7 @@ class FullyShardedDataParallel(nn.Module):
         p = self._pass
         p.ready.update(id(u) for u in p.reduce_order)
         self._launch_reductions(p)
-        self._issue_gathers(p, len(p.gather_order))
+        p.issue_gathers(len(p.gather_order))
         started = time.perf_counter()
         while p.reducing:
             self._finish(p.reducing.pop(0))
