@@ -192,8 +192,7 @@ def _check(args: argparse.Namespace, result: Any, link: Any) -> list[dict[str, A
         for (setup, prof), measured, counts in zip(todo, runs, busy, strict=True):
             mean_busy = statistics.fmean(counts)
             point = predict(setup, prof, link, [n], background=mean_busy).points[0]
-            row = compare(setup, point, combine(measured), link.name, mean_busy, prof.probe_s)
-            rows.append(row)
+            rows.append(compare(setup, point, combine(measured), link.name, mean_busy))
             print(format_check(rows[-1:]).splitlines()[1], flush=True)
     return rows
 

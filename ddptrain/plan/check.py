@@ -12,9 +12,7 @@ two network namespaces joined by a veth pair, each with a /dev/shm of its own, t
 both ways with tc tbf and probed, one torchrun a host running `python -m ddptrain.plan.run`.
 Measured: the median over blocks of the slowest rank's seconds per step, and the largest peak
 RSS (on CUDA: max_memory_allocated) of any rank while training; `combine` makes rounds of
-one setup (--check --rounds) one measurement. On CPU ranks each row also says how much slower
-the CPU ran than during the profile, by a probe timed in both (speed.py), and the ratio at the
-profile's speed: a miss then shows as the plan's or the machine's. `wait_for_quiet` holds a run
+one setup (--check --rounds) one measurement. `wait_for_quiet` holds a run
 back while other programs keep the cores busy, up to a limit, and says how busy they were.
 """
 
@@ -42,7 +40,6 @@ from ddptrain.plan.predict import Point
 from ddptrain.plan.profile import start_method
 from ddptrain.plan.run import Steps, run_rank
 from ddptrain.plan.setup import Setup, rank_env
-from ddptrain.plan.speed import slowdown
 
 
 def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -56,7 +53,6 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "block_step_s": blocks,
         "block_steps": ranks[0].get("block_steps"),
         "devices": sorted({r.get("device", "cpu") for r in ranks}),
-        "probe_s": [s for r in ranks for s in r.get("probe_s", [])],
     }
 
 
@@ -68,7 +64,6 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     blocks = [b for r in runs for b in r["block_step_s"]]
     out = {**runs[0], "step_s": statistics.median(blocks), "block_step_s": blocks}
     out["round_step_s"] = [r["step_s"] for r in runs]
-    out["probe_s"] = [s for r in runs for s in r.get("probe_s", [])]
     for key in ("peak_bytes", "rss_before_model_bytes", "max_rss_bytes"):
         out[key] = max(r[key] for r in runs)
     return out
@@ -165,13 +160,8 @@ def compare(
     measured: dict[str, Any],
     link: str,
     background: float,
-    profile_probe_s: list[float] | None = None,
 ) -> dict[str, Any]:
-    """One row of the check: predicted, measured, their ratio (predicted / measured); with
-    the profile's speed probes, how much slower the CPU ran during the run (speed.slowdown)
-    and the ratio had the run's CPU kept the profile's speed."""
-    slower = slowdown(profile_probe_s or [], measured.get("probe_s") or [])
-    ratio = point.step_s / measured["step_s"]
+    """One row of the check: predicted, measured, their ratio (predicted / measured)."""
     return {
         "configuration": f"{setup.label} ws{point.world_size} {link}",
         "setup": setup.as_dict(),
@@ -179,9 +169,7 @@ def compare(
         "link": link,
         "predicted_step_s": point.step_s,
         "measured_step_s": measured["step_s"],
-        "step_ratio": ratio,
-        "cpu_slowdown": slower,
-        "step_ratio_at_profile_speed": None if slower is None else ratio * slower,
+        "step_ratio": point.step_s / measured["step_s"],
         "predicted_peak_bytes": point.peak_bytes,
         "measured_peak_bytes": measured["peak_bytes"],
         "peak_ratio": point.peak_bytes / measured["peak_bytes"],

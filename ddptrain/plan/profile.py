@@ -7,7 +7,6 @@
     prof.ready_s[i]          # parameter i's gradient was ready this long into backward (sharded)
     prof.peak_rss_bytes      # peak RSS while training, this strategy at world size 1
     prof.step_samples_s      # every timed step's seconds: how much one step varies
-    prof.probe_s             # a fixed probe's CPU seconds before each timed step (speed.py)
 
 The DDP strategies run in a world of one (ddptrain.spawn), wrapped as at any world size, so
 the wrapper's own work (filling buckets, the PowerSGD hook's compression, timed per bucket) is
@@ -47,7 +46,6 @@ from ddptrain.fsdp.layout import choose_units
 from ddptrain.plan.marks import HookTimer, Marks, activation_bytes
 from ddptrain.plan.meter import Meter, meter_for
 from ddptrain.plan.setup import OPTIMIZERS, Setup, build, rank_env
-from ddptrain.plan.speed import Probe
 
 SHARDED = ("zero2", "zero3")
 
@@ -110,9 +108,6 @@ class Profile:
     # hold gloo's copies, most of the wrapper's work there; a GPU link charges bandwidth alone).
     wrapper_step_s: float = 0.0
     marks_scale: float = 1.0
-    # CPU profiles: the speed probe's CPU seconds before each timed step (speed.py), which
-    # --check compares with its runs' probes.
-    probe_s: list[float] = field(default_factory=list)
 
     @property
     def param_bytes(self) -> int:
@@ -165,8 +160,6 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
     before_model = meter.allocated_bytes()
     sharded = setup.strategy in SHARDED
     hook_timer = None if sharded else HookTimer(meter)
-    probe = Probe() if meter.device == "cpu" else None
-    probes: list[float] = []
     if sharded:
         # The sharded wrapper's gathers and copies are the plan's to add: its compute is the
         # plain model's, timed unit by unit.
@@ -198,8 +191,6 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
     hooks: list[list[float]] = []
     bucket_ready: list[list[float]] = []
     for timed in _steps(min_timed_s):
-        if timed and probe is not None:
-            probes.append(probe.seconds())
         marks.clear()
         if hook_timer is not None:
             hook_timer.clear()
@@ -260,7 +251,6 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
         "step_samples_s": times["step"],
         "wrapper_step_s": wrapper_s,
         "marks_scale": 1.0,
-        "probe_s": probes,
     }
     return fields if sharded or not wrapper_s else _scaled_to(fields, wrapper_s)
 

@@ -3,7 +3,7 @@
 print(format_table(predictions))            # per strategy and world size
 print(format_choice(predictions, [1, 2, 4])) # the largest efficient world size, its strategy
 print(text_chart(predictions))              # step time and memory against world size, as bars
-print(format_check(rows))                   # predicted, measured, ratio, rounds apart, CPU speed
+print(format_check(rows))                   # predicted, measured, ratio, rounds apart
 print(format_picks(rows))                   # the plan's pick against the measured fastest
 plot(predictions, rows, Path("plan.png"))   # step time and memory against world size
 """
@@ -95,22 +95,18 @@ def text_chart(predictions: list[Prediction], width: int = 40) -> str:
 
 def format_check(rows: list[dict[str, Any]]) -> str:
     """Predicted against measured, with the ratio, one row per configuration run; with rounds,
-    how far apart they measured (check.rounds_apart); on CPU, how much slower the run's CPU
-    was than the profile's and the ratio at the profile's speed (check.compare)."""
+    how far apart they measured (check.rounds_apart)."""
     head = (
-        f"{'configuration':<34} {'step ms: pred':>13} {'meas':>8} {'ratio':>6} {'apart':>6} "
-        f"{'cpu':>5} {'adj':>5}   {'peak MiB: pred':>14} {'meas':>7} {'ratio':>6}  {'bg':>4}"
+        f"{'configuration':<34} {'step ms: pred':>13} {'meas':>8} {'ratio':>6} {'apart':>6}   "
+        f"{'peak MiB: pred':>14} {'meas':>7} {'ratio':>6}  {'bg':>4}"
     )
     lines = [head]
     for r in rows:
-        apart, slower = r.get("rounds_apart"), r.get("cpu_slowdown")
-        adj = r.get("step_ratio_at_profile_speed")
+        apart = r.get("rounds_apart")
         lines.append(
             f"{r['configuration']:<34} {1e3 * r['predicted_step_s']:>13.1f} "
             f"{1e3 * r['measured_step_s']:>8.1f} {r['step_ratio']:>6.2f} "
-            f"{'-' if apart is None else f'{100 * apart:.0f}%':>6} "
-            f"{'-' if slower is None else f'{100 * (slower - 1):+.0f}%':>5} "
-            f"{'-' if adj is None else f'{adj:.2f}':>5}   "
+            f"{'-' if apart is None else f'{100 * apart:.0f}%':>6}   "
             f"{r['predicted_peak_bytes'] / MIB:>14.1f} {r['measured_peak_bytes'] / MIB:>7.1f} "
             f"{r['peak_ratio']:>6.2f}  {r['background_threads']:>4.1f}"
         )
@@ -120,14 +116,6 @@ def format_check(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"step time within 15%: {within_time} of {len(rows)}; peak memory within 10%: "
             f"{within_mem} of {len(rows)} (bg: busy threads of other programs before the run)"
-        )
-    adjusted = [r["step_ratio_at_profile_speed"] for r in rows
-                if r.get("step_ratio_at_profile_speed") is not None]  # fmt: skip
-    if adjusted:
-        lines.append(
-            "cpu: how much slower a fixed probe ran during the run than during the profile "
-            f"(speed.py); adj: the step ratio at the profile's CPU speed, within 15% in "
-            f"{sum(abs(a - 1) <= 0.15 for a in adjusted)} of {len(adjusted)}"
         )
     aparts = [r["rounds_apart"] for r in rows if r.get("rounds_apart") is not None]
     if aparts:

@@ -74,7 +74,6 @@ def merge(passes: list[Profile]) -> Profile:
     per_unit = _mean_rows([p.unit_activation_bytes for p in passes])
     out.unit_activation_bytes = [round(b) for b in per_unit]
     out.timed_steps = sum(p.timed_steps for p in passes)
-    out.probe_s = [s for p in passes for s in p.probe_s]
     # Each pass's steps about the merged median: a slow spell of the machine moves all of a
     # pass's steps, and ranks running at once share it; a step waits for the spread of the
     # ranks' steps within one spell (predict.straggle_s), not for the spells' difference.
@@ -117,8 +116,6 @@ def pool_shared_compute(profiles: list[Profile]) -> list[Profile]:
         backward = _mean([p.backward_s - _own(p) for p in group])
         same_buckets = all(p.buckets == group[0].buckets for p in group)
         ready = _mean_rows([p.bucket_ready_s for p in group]) if same_buckets else None
-        # The compute is all of theirs, and so is the CPU speed it was measured at.
-        probes = [s for p in group for s in p.probe_s]
         for i, p in zip(members, group, strict=True):
             new_backward = backward + _own(p)
             delta = forward + new_backward - p.forward_s - p.backward_s
@@ -129,7 +126,6 @@ def pool_shared_compute(profiles: list[Profile]) -> list[Profile]:
                 step_s=p.step_s + delta,
                 wall_step_s=p.wall_step_s + delta,
                 bucket_ready_s=p.bucket_ready_s if ready is None else list(ready),
-                probe_s=list(probes),
             )
     return out
 

@@ -15,8 +15,7 @@ was built and the peak RSS while training (the kernel's high-water mark), with g
 freed blocks at once (bench/memory.py's `return_freed_memory`): the allocator the prediction
 assumes. On CUDA (NCCL, one GPU per rank) the caching allocator's bytes, memory_allocated
 before the model and max_memory_allocated while training; a block's wall time ends with a
-synchronize, so it holds the device's work. CPU ranks time the speed probe (speed.py) before
-each block and after the last, outside the blocks.
+synchronize, so it holds the device's work.
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from ddptrain.bench.memory import return_freed_memory
 from ddptrain.plan.meter import Meter, meter_for
 from ddptrain.plan.profile import rank_device
 from ddptrain.plan.setup import Setup, build
-from ddptrain.plan.speed import Probe
 
 
 @dataclass(frozen=True)
@@ -74,8 +72,6 @@ def run_rank(
     work = setup.workload
     rss_before_model = meter.allocated_bytes()
     model, optimizer = build(setup, device)
-    probe = Probe() if setup.device == "cpu" else None
-    probes: list[float] = []
     x, y = work.batch(torch.Generator().manual_seed(dist.get_rank()))
     if x.is_floating_point():
         x = x.to(setup.dtype)
@@ -99,8 +95,6 @@ def run_rank(
     block_s, cpu_s = [], []
     for _ in range(steps.blocks):
         meter.sync()
-        if probe is not None:
-            probes.append(probe.seconds())
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         for _ in range(block):
@@ -108,15 +102,12 @@ def run_rank(
         meter.sync()
         block_s.append((time.perf_counter() - start) / block)
         cpu_s.append((time.process_time() - start_cpu) / block)
-    if probe is not None:
-        probes.append(probe.seconds())
     return {
         "rank": dist.get_rank(),
         "device": setup.device,
         "step_s": block_s,
         "block_steps": block,
         "cpu_s": cpu_s,
-        "probe_s": probes,
         "rss_before_model_bytes": rss_before_model,
         "peak_rss_bytes": meter.peak_bytes(),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -93,17 +93,10 @@ def test_lenet_ddp_at_two_ranks_is_predicted_within_wide_bounds():
     result = plan("lenet", strategies=["ddp"], world_sizes=[2], link="local", device="cpu")
     point = result.predictions[0].at(2)
     measured = run_local(Setup(model="lenet", strategy="ddp"), 2, Steps(2, 4, 2))
-    prof = result.profiles[0]
-    bg = result.background_threads
-    row = compare(Setup(model="lenet"), point, measured, "local", bg, prof.probe_s)
+    row = compare(Setup(model="lenet"), point, measured, "local", result.background_threads)
     assert 0.75 <= row["peak_ratio"] <= 1.25, row
     assert 0.5 <= row["step_ratio"] <= 2.0, row
     assert measured["block_steps"] >= 10, measured  # half a second of ~15-40 ms steps
-    # The speed probe: before each timed step of the profile, before each block and after the
-    # last on every rank.
-    assert len(prof.probe_s) == prof.timed_steps and min(prof.probe_s) > 0, prof.probe_s
-    assert len(measured["probe_s"]) == 2 * (4 + 1) and min(measured["probe_s"]) > 0, measured
-    assert row["cpu_slowdown"] > 0 and row["step_ratio_at_profile_speed"] > 0, row
 
 
 def test_a_block_takes_as_many_steps_as_fill_its_seconds():
@@ -194,28 +187,8 @@ def test_the_check_says_how_far_apart_the_rounds_of_one_configuration_measured()
     rows = [compare(Setup(model="lenet"), point, combine(r), "local", 0.0)
             for r in (rounds, rounds[:1], [rounds[1], {**rounds[1], "step_s": 1.1}])]  # fmt: skip
     lines = format_check(rows).splitlines()
-    assert lines[1].split()[-7] == "25%" and lines[2].split()[-7] == "-", lines
-    assert lines[3].split()[-7] == "10%", lines
+    assert lines[1].split()[-5] == "25%" and lines[2].split()[-5] == "-", lines
+    assert lines[3].split()[-5] == "10%", lines
     assert lines[-1].startswith("apart: the rounds of one configuration measured up to 25% "
                                 "apart (median 18%)"), lines[-1]  # fmt: skip
     assert not format_check(rows[1:2]).splitlines()[-1].startswith("apart"), "one round each"
-
-
-def test_the_check_gives_the_ratio_at_the_profiles_cpu_speed():
-    """A run whose probe took 25% longer than the profile's has its ratio scaled by 1.25."""
-    run = {"step_s": 1.25, "block_step_s": [1.25], "peak_bytes": 1, "rss_before_model_bytes": 1,
-           "max_rss_bytes": 1}  # fmt: skip
-    rounds = [{**run, "probe_s": [0.0025, 0.0025, 0.0040]}, {**run, "probe_s": [0.0020]}]
-    assert sorted(combine(rounds)["probe_s"]) == [0.0020, 0.0025, 0.0025, 0.0040]
-    point = Point(2, 1.0, 1.0, 2.0, 1, {})
-    slow = compare(Setup(model="lenet"), point, combine(rounds), "local", 0.0, [0.002, 0.002])
-    assert slow["step_ratio"] == pytest.approx(0.8)
-    assert slow["cpu_slowdown"] == pytest.approx(1.25)
-    assert slow["step_ratio_at_profile_speed"] == pytest.approx(1.0)
-    unprobed = compare(Setup(model="lenet"), point, run, "local", 0.0, [0.002])
-    assert unprobed["cpu_slowdown"] is None and unprobed["step_ratio_at_profile_speed"] is None
-    lines = format_check([slow, unprobed]).splitlines()
-    assert lines[1].split()[-6:-4] == ["+25%", "1.00"], lines[1]
-    assert lines[2].split()[-6:-4] == ["-", "-"], lines[2]
-    assert lines[-2].endswith("at the profile's CPU speed, within 15% in 1 of 1"), lines[-2]
-    assert "cpu:" not in format_check([unprobed]), "no probes, no line"
