@@ -200,8 +200,8 @@ def test_cuda_check_runs_at_one_rank_and_compares(monkeypatch, tmp_path):
     assert rows[0]["background_threads"] == 0.0
 
 
-def test_check_rounds_take_turns_within_a_world_size(monkeypatch, tmp_path):
-    """--check --rounds 2 runs each strategy once a round per world size, reversed in round 2."""
+def test_check_repeats_take_turns_within_a_world_size(monkeypatch, tmp_path):
+    """--check --rounds 2 runs each strategy twice per world size, the second pass in reverse."""
     import ddptrain.plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
