@@ -13,7 +13,8 @@ the wrapper's own work (filling buckets, the PowerSGD hook's compression, timed 
 in the times; what a world of one does not do, sending, the plan adds from the link. The
 sharded strategies run the plain model, with a forward pre-hook and hook on each unit the
 sharded wrapper would make (fsdp/layout.py's choose_units): their gathers and copies are the
-plan's to add. On CUDA the strategy's own step, unmarked, is timed too (`wrapper_step_s`).
+plan's to add. The strategy's own step, unmarked, is timed too (`wrapper_step_s`): on CUDA
+apart, on CPU the sharded wrapper's in alternation with the plain model's.
 Marks: the comm hook, wrapped, notes when each bucket reaches it (DDP strategies); a hook after
 each parameter's gradient is accumulated (sharded).
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -101,11 +102,12 @@ class Profile:
     device: str = "cpu"  # what the seconds and bytes are of (the module docstring)
     timed_steps: int = 0  # the medians are over this many steps
     step_samples_s: list[float] = field(default_factory=list)  # each timed step's seconds
-    # On CUDA: the strategy's own step at world size 1, as --check builds it, with no marks
-    # (median). The DDP wrapper's strategies have their spans scaled to it by marks_scale; for
-    # the sharded ones its excess over step_s is the wrapper's host work, which the plan
-    # charges (steps.py). 0: not measured (CPU ranks: the local link's measured collectives
-    # hold gloo's copies, most of the wrapper's work there; a GPU link charges bandwidth alone).
+    # The strategy's own step at world size 1, as --check builds it, with no marks. On CUDA
+    # (median) the DDP wrapper's strategies have their spans scaled to it by marks_scale. For
+    # the sharded ones its excess over step_s is the wrapper's own work, which the plan charges
+    # (steps.py); on CPU that excess is timed against the plain model's step in alternation
+    # (wrapper_excess_s) and added to step_s. 0: not measured (the DDP wrapper's on CPU, whose
+    # profile is its own step).
     wrapper_step_s: float = 0.0
     marks_scale: float = 1.0
 
@@ -222,6 +224,11 @@ def measure(setup: Setup, meter: Meter, min_timed_s: float = MIN_TIMED_S) -> dic
     wrapper_s = 0.0
     if meter.device == "cuda":
         wrapper_s = _wrapper_step_s(setup, device, meter, x, y, min_timed_s)
+    elif sharded:
+        plain_step = _step_timer(setup, device, meter, x, y, wrapped=False)
+        wrapped_step = _step_timer(setup, device, meter, x, y, wrapped=True)
+        own = wrapper_excess_s(plain_step, wrapped_step, min_timed_s)
+        wrapper_s = statistics.median(times["step"]) + own
     fields = {
         "setup": setup.as_dict(),
         "param_names": names,
@@ -283,10 +290,34 @@ def _wrapper_step_s(
     model's step is bound by the host launching kernels, and the sharded wrapper's per-unit
     Python work (gathers and frees that a world of one makes no-ops of) then lengthens the
     plain model's 1.3-2.7x (an H200: the MLP 2.5 -> 6.7 ms)."""
-    model, optimizer = build(setup, device)
-    work = setup.workload
-    times: list[float] = []
+    step = _step_timer(setup, device, meter, x, y, wrapped=True)
+    times = []
     for timed in _steps(min_timed_s):
+        seconds = step()
+        if timed:
+            times.append(seconds)
+    return statistics.median(times)
+
+
+def _step_timer(
+    setup: Setup,
+    device: torch.device,
+    meter: Meter,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    wrapped: bool,
+) -> Callable[[], float]:
+    """Collective: a function that takes one training step of `setup`'s model, unmarked, wrapped
+    as --check builds it or plain, and returns its seconds."""
+    work = setup.workload
+    if wrapped:
+        model, optimizer = build(setup, device)
+    else:
+        torch.manual_seed(0)
+        model = work.factory().to(device=device, dtype=setup.dtype)
+        optimizer = OPTIMIZERS[setup.optimizer](model.parameters(), lr=1e-3)
+
+    def step() -> float:
         meter.start()
         s0 = meter.stamp()
         optimizer.zero_grad(set_to_none=True)
@@ -294,9 +325,25 @@ def _wrapper_step_s(
         optimizer.step()
         s1 = meter.stamp()
         meter.finish()
+        return meter.seconds(s1) - meter.seconds(s0)
+
+    return step
+
+
+def wrapper_excess_s(
+    plain: Callable[[], float], wrapped: Callable[[], float], min_timed_s: float
+) -> float:
+    """How much longer `wrapped()`'s step is than `plain()`'s: the median of their differences
+    over pairs taken back to back (which goes first alternating), at least 0. A guest's CPU
+    slows for seconds at a time: LeNet's plain step, profiled minutes apart, took 29-40 ms, the
+    sharded wrapper's own work about 2 ms of it; a pair shares its spell."""
+    excess = []
+    for n, timed in enumerate(_steps(min_timed_s)):
+        first, second = (plain, wrapped) if n % 2 == 0 else (wrapped, plain)
+        a, b = first(), second()
         if timed:
-            times.append(meter.seconds(s1) - meter.seconds(s0))
-    return statistics.median(times)
+            excess.append(b - a if first is plain else a - b)
+    return max(0.0, statistics.median(excess))
 
 
 def _steps(min_timed_s: float) -> Iterator[bool]:

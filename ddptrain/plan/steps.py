@@ -20,10 +20,10 @@ then its gradients are packed (a pass into a fresh send buffer) and reduce-scatt
 reduce group's thread, one in flight at a time. Of each gather and reduce-scatter, the part
 gloo does on the calling thread (copies into and out of its own buffers, measured apart:
 calibrate.py) is the main thread's, when it starts the collective and when it waits for it.
-The optimizer steps 1/n of the parameters. On CUDA the wrapper's own host work, its step at
-world size 1 less the plain model's (profile.py's `wrapper_step_s`), is the main thread's, in
-equal parts as each unit's forward starts. Allocations and frees of tensors ride along for the
-memory peak.
+The optimizer steps 1/n of the parameters. The wrapper's own work (hooks, views, its host
+launches on CUDA): its step measured at world size 1 (profile.py's `wrapper_step_s`) less what
+these operations give its main thread there, in equal parts as each unit's forward starts.
+Allocations and frees of tensors ride along for the memory peak.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 from ddptrain.optim.broadcast import plan_broadcasts
 from ddptrain.optim.partition import shard_ranges
-from ddptrain.plan.links import Link, LocalLink
+from ddptrain.plan.links import Link, LocalLink, ShapedLink
 from ddptrain.plan.memory import powersgd_messages, unit_bytes
 from ddptrain.plan.profile import Profile
 from ddptrain.plan.timeline import Alloc, Compute, Free, Job, Launch, Op, Wait
@@ -122,7 +122,10 @@ def sharded_ops(
 ) -> list[Op]:
     """The main thread's operations of a ZeRO-3 (reshard) or ZeRO-2 step (module docstring);
     `tensors_only`: every gather and reduction free, for the memory timeline alone."""
-    return _Sharded(profile, link, world_size, reshard, tensors_only).ops()
+    builder = _Sharded(profile, link, world_size, reshard, tensors_only)
+    if not tensors_only and profile.units:
+        builder.own_s = own_work_s(profile, link, reshard) / len(profile.units)
+    return builder.ops()
 
 
 class _Sharded:
@@ -144,8 +147,7 @@ class _Sharded:
         self.out: list[Op] = []
         self.gathers: dict[int, int] = {}  # unit -> gathers started
         self.gathered: set[int] = set()
-        own = max(0.0, profile.wrapper_step_s - profile.step_s) if profile.wrapper_step_s else 0.0
-        self.own_s = 0.0 if tensors_only or not profile.units else own / len(profile.units)
+        self.own_s = 0.0  # the wrapper's own work as each unit's forward starts
         self.finishing: dict[str, float] = {}  # job -> the main thread's seconds finishing it
 
     def _job(self, name: str, op: str, nbytes: int) -> tuple[Job, float, float]:
@@ -244,6 +246,20 @@ class _Sharded:
         whole = self.sizes[k][0]
         finish = self.finishing.pop(f"reduce {k}")
         return [Wait(f"reduce {k}"), Compute(finish), Free(whole * (2 if self.staged else 1))]
+
+
+def own_work_s(profile: Profile, link: Link, reshard: bool) -> float:
+    """The sharded wrapper's own work a step, on its main thread: its step measured at world
+    size 1 (profile.py's `wrapper_step_s`) beyond what the main thread is modelled to do there
+    (compute, and on CPU gloo's copies on the calling thread and the packing passes), at
+    least 0; 0 when not measured."""
+    if not profile.wrapper_step_s:
+        return 0.0
+    # A world of one is on this machine: across hosts, the local link's figures.
+    one = link.local if isinstance(link, ShapedLink) else link
+    ops = _Sharded(profile, one, 1, reshard, tensors_only=False).ops()
+    modelled = sum(op.seconds for op in ops if isinstance(op, Compute))
+    return max(0.0, profile.wrapper_step_s - modelled)
 
 
 def sharded_start_bytes(profile: Profile, world_size: int, state_bytes: int) -> int:

@@ -221,6 +221,27 @@ def test_a_reduce_scatters_calling_thread_share_is_the_main_threads(issue_s, fin
     assert simulate(ops, 4.0, 2).end_s == pytest.approx(end_s, abs=1e-9)
 
 
+@pytest.mark.parametrize(
+    ("wrapper_step_s", "end_s"),
+    [
+        # At one rank the main thread is modelled to do 10 + 20 + 2 ms and each unit's
+        # reduce-scatter's 2 + 1 ms: 38 ms. Measured 41: 3 ms of its own, 1.5 as each unit's
+        # forward starts, on the main thread of the 40 ms step at two ranks.
+        (0.041, 0.043),
+        # Measured within the modelled 38 ms: nothing of its own.
+        (0.036, 0.040),
+    ],
+)
+def test_the_sharded_wrappers_own_work_is_its_one_rank_step_beyond_the_modelled_one(
+    wrapper_step_s, end_s
+):
+    """The wrapper's own work is its measured one-rank step less the modelled main thread's."""
+    prof = _two_unit_profile()
+    prof.wrapper_step_s = wrapper_step_s
+    ops = sharded_ops(prof, _reduce_scatter_link(0.002, 0.001), 2, True)
+    assert simulate(ops, 4.0, 2).end_s == pytest.approx(end_s, abs=1e-9)
+
+
 def _caller(cost: Cost) -> tuple[float, float]:
     return cost.issue_s, cost.finish_s
 
@@ -243,7 +264,7 @@ def test_the_calling_threads_share_is_measured_here_and_fits_in_the_whole():
 @pytest.mark.parametrize(
     ("world_size", "wrapper_step_s", "end_s"),
     [
-        # Not measured (a CPU profile): the plain step, 10 + 20 + 2 ms.
+        # Not measured: the plain step, 10 + 20 + 2 ms.
         (1, 0.0, 0.032),
         # The wrapper's step at one rank measured 4 ms longer than the plain model's: that one.
         (1, 0.036, 0.036),
