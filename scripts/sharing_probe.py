@@ -23,7 +23,7 @@ import time
 import torch
 
 from ddptrain.bench.report import machine
-from ddptrain.cpu.barrier import COUNTER_STRIDE, SharedBarrier
+from ddptrain.cpu.barrier import COUNTER_STRIDE, SharedBarrier, announce
 
 BARRIERS = ("shared", "futex")
 
@@ -36,8 +36,8 @@ def _products(count: int, a: torch.Tensor) -> None:
 def _rank(rank, world_size, count, cycles, barrier, counters, futex, results) -> None:
     torch.set_num_threads(1)
     a = torch.randn(256, 256)
-    counters[rank * COUNTER_STRIDE + 1] = os.getpid()
-    futex.wait()  # every pid is written before SharedBarrier reads them
+    announce(counters, rank)
+    futex.wait()  # every rank announced before any SharedBarrier reads the ids
     wait = futex.wait
     if barrier == "shared":
         wait = SharedBarrier(counters, rank, world_size, timeout_s=60.0).wait

@@ -21,6 +21,7 @@ import torch
 # Counters sit 64 bytes apart, so two ranks never write the same cache line. A rank's line
 # holds its arrivals, its process id and a value the ranks sum (SharedMemory.reduce_finished).
 COUNTER_STRIDE = 8
+_PID_WORD = 1
 _VALUE_WORD = 2
 # A waiting rank polls this many times (yielding the core in between) before it sleeps. At the
 # end of backward, with no more ranks than cores, it goes on polling for up to _SPIN_S: waking
@@ -32,6 +33,12 @@ _SPIN_S = 2e-3
 _SLEEP_S = 50e-6
 # While sleeping, a waiting rank checks this often that the peers it waits for still exist.
 _LIVENESS_CHECK_S = 0.2
+
+
+def announce(counters: torch.Tensor, rank: int) -> None:
+    """Write this process's id into its line of `counters`: every rank does, before any builds a
+    SharedBarrier over them, so that waiting ranks can tell a peer that died."""
+    counters[rank * COUNTER_STRIDE + _PID_WORD] = os.getpid()
 
 
 class SharedBarrier:
@@ -49,7 +56,7 @@ class SharedBarrier:
         self._words = (ctypes.c_int64 * counters.numel()).from_address(counters.data_ptr())
         self._mine = rank * COUNTER_STRIDE
         self._others = [r * COUNTER_STRIDE for r in range(world_size) if r != rank]
-        pids = counters[1::COUNTER_STRIDE].tolist()
+        pids = counters[_PID_WORD::COUNTER_STRIDE].tolist()
         # Peers in another process namespace are invisible from the start: no liveness check.
         self._pids = {r: pid for r, pid in enumerate(pids) if r != rank and _alive(pid)}
         self._timeout_s = timeout_s

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddptrain.cpu.barrier import COUNTER_STRIDE, SharedBarrier
+from ddptrain.cpu.barrier import COUNTER_STRIDE, SharedBarrier, announce
 from ddptrain.ddp import hooks
 from ddptrain.ddp.hooks import (
     GradBucket,
@@ -82,7 +82,7 @@ class SharedMemory(Transport):
             size = self.world_size * COUNTER_STRIDE
             counters = self._map(size, torch.int64)
             if counters is not None:
-                counters[self.rank * COUNTER_STRIDE + 1] = os.getpid()
+                announce(counters, self.rank)
                 dist.barrier(group=self.group)
                 wait_s = hooks.timeout_s() if timeout_s is None else timeout_s
                 self._barrier = SharedBarrier(counters, self.rank, self.world_size, wait_s)
