@@ -14,7 +14,9 @@ gloo's into a fresh receive buffer, both started and waited for as the wrapper d
 calling thread's own CPU at each (gloo copies into and out of its buffers there), and
 "broadcast" gloo's. One process also times a pass over fresh and over mapped memory (the
 sharded wrapper's packing). Meetings: what ranks that arrive at a collective from their own
-compute lose waiting for each other, beyond its time from a barrier (meeting.py). Two hosts:
+compute lose waiting for each other, beyond its time from a barrier (meeting.py), and where
+the ranks outnumber the cores, what they lose meeting at the last bucket's reduction after
+cycles of compute of several lengths (the uneven share, meeting.py). Two hosts:
 the same at world size 2, one rank in each namespace, the veth shaped as `python -m
 ddptrain.bench --two-hosts --link RATE` shapes it (bench/link.py), sizes up to what the link
 carries in about a second. glibc returns freed blocks at once, as in
@@ -41,7 +43,7 @@ from ddptrain.bench import link as bench_link
 from ddptrain.bench.memory import return_freed_memory
 from ddptrain.plan.links import LocalLink, ShapedLink, rate_bits
 from ddptrain.plan.load import usable_cores
-from ddptrain.plan.meeting import measure_meeting
+from ddptrain.plan.meeting import measure_meeting, measure_uneven_share
 
 SIZES = (4 << 10, 256 << 10, 2 << 20, 8 << 20, 32 << 20)
 REPEATS = 5
@@ -92,7 +94,8 @@ def local_link(world_sizes: list[int] | None = None, refresh: bool = False) -> L
     if cached is not None:
         link = LocalLink.from_dict(cached)
         measured = all(w in link.table["reduce"] for w in wanted)
-        if link.wall_table and link.caller_table and measured:
+        shared = all(w in link.share_table for w in wanted if w > link.cores)
+        if link.wall_table and link.caller_table and measured and shared:
             return link
     link = calibrate(wanted)
     _store("local", link.as_dict())
@@ -192,12 +195,21 @@ def _slowest_meetings(ranks: list[dict[str, Any]]) -> dict[str, tuple[float, flo
     return out
 
 
+def _slowest_share(ranks: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """Per cycle length, (its even-share cycle, the most seconds any rank lost beyond it)."""
+    return [
+        (cycle, max(r["share"][i][1] for r in ranks))
+        for i, (cycle, _) in enumerate(ranks[0]["share"])
+    ]
+
+
 def calibrate(world_sizes: list[int]) -> LocalLink:
     """Measure every operation at every size at each world size (module docstring)."""
     table: dict[str, dict[int, list[tuple[int, float]]]] = {}
     walls: dict[str, dict[int, list[tuple[int, float]]]] = {}
     meetings: dict[str, dict[int, tuple[float, float]]] = {}
     callers: dict[str, dict[int, list[tuple[int, float, float]]]] = {}
+    shares: dict[int, list[tuple[float, float]]] = {}
     load = os.getloadavg()[0]
     for ws in world_sizes:
         per_rank = ddptrain.spawn(_measure_rank, ws, list(SIZES), timeout_s=900)
@@ -209,6 +221,8 @@ def calibrate(world_sizes: list[int]) -> LocalLink:
             meetings.setdefault(op, {})[ws] = seconds
         for op, split in _busiest_callers(per_rank).items():
             callers.setdefault(op, {})[ws] = split
+        if "share" in per_rank[0]:
+            shares[ws] = _slowest_share(per_rank)
     fresh, mapped = ddptrain.spawn(_passes, 1, timeout_s=300)[0]
     source = (
         f"measured {time.strftime('%Y-%m-%d %H:%M')} on {machine_key()}, load before "
@@ -223,6 +237,7 @@ def calibrate(world_sizes: list[int]) -> LocalLink:
         wall_table=walls,
         meet_table=meetings,
         caller_table=callers,
+        share_table=shares,
     )
 
 
@@ -280,11 +295,17 @@ def _measure(sizes: list[int]) -> dict[str, Any]:
         ops["reduce_tcp"] = list(ops["reduce"])
         return {"ops": ops, "wall": walls, "caller": callers}
     n = max(ws, sizes[0] // 4 // ws * ws)
+    share = min(1.0, usable_cores() / ws)
     meet = {
-        op: measure_meeting(fn, walls[op][0][1], share=min(1.0, usable_cores() / ws))
+        op: measure_meeting(fn, walls[op][0][1], share=share)
         for op, fn in _operations(n, ws, shm, tcp, last=False).items()
     }
-    return {"ops": ops, "wall": walls, "caller": callers, "meet": meet}
+    out = {"ops": ops, "wall": walls, "caller": callers, "meet": meet}
+    if ws > usable_cores() and shm is not None:
+        # Where the DDP wrapper's ranks meet once a step: its last bucket's reduction.
+        last_bucket = _operations(n, ws, shm, None)["reduce"]
+        out["share"] = measure_uneven_share(last_bucket, walls["reduce"][0][1], share)
+    return out
 
 
 def _measure_rank(sizes: list[int]) -> dict[str, Any]:

@@ -22,13 +22,20 @@ rank moves factor * S bytes: 2(n-1)/n for reduce, (n-1)/n for all_gather and red
   compute lose waiting for each other, measured per operation and world size with the main
   threads waiting and computing (calibrate.py). Of gloo's all-gather and reduce-scatter, the
   part spent on the thread that starts and waits for them is measured apart (`issue_s`,
-  `finish_s` of a Cost, within its `cpu_s`); a shaped link takes this machine's.
+  `finish_s` of a Cost, within its `cpu_s`); a shaped link takes this machine's. Where ranks
+  outnumber the cores, its uneven share (`uneven_share_s`): what ranks that compute a cycle and
+  then meet lose beyond the meeting after the shortest cycle, measured for cycles of several
+  lengths per world size (meeting.py); linear between them, the same fraction of a cycle past
+  the longest.
 - A shaped link between hosts (`ShapedLink`): the CPU a collective costs here (the TCP
   transport's for "reduce", gloo's for the rest), and factor * S / (rate * efficiency) + steps
   * latency on the wire; TCP/IP headers leave 1448 payload bytes of each 1514-byte frame. Its
   meetings are those measured over it, else this machine's.
 - A GPU link (`BusLink`): NCCL's bus bandwidth B per rank: factor * S / B + steps * latency;
   no CPU (the GPU computes, the NIC and NCCL's kernels move the bytes), no meetings modelled.
+
+`one_machine`: every rank runs on this machine's cores (one host, or the fake hosts of
+ddptrain.netns), so a slow spell of the machine falls on every rank in the same step.
 """
 
 from __future__ import annotations
@@ -106,6 +113,25 @@ class LocalLink:
     # The calling thread's CPU seconds starting and finishing gloo's all-gather and
     # reduce-scatter: (bytes, issue, finish) per operation and world size; empty: none.
     caller_table: dict[str, dict[int, list[tuple[int, float, float]]]] = field(default_factory=dict)
+    # Where ranks outnumber the cores: per world size, (cycle at an even share of the cores,
+    # seconds lost beyond it) for cycles of compute of several lengths (meeting.py); empty: none.
+    share_table: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    one_machine = True
+
+    def uneven_share_s(self, world_size: int, cycle_s: float) -> float:
+        """Seconds ranks that compute a `cycle_s` cycle (at an even share) lose meeting at its
+        end beyond the loss of the shortest cycle measured (which the meetings carry): linear
+        between measured cycles, the longest's fraction of a cycle past it; a world size not
+        measured takes the nearest one's; 0 where the ranks have a core each."""
+        if world_size <= self.cores or not self.share_table:
+            return 0.0
+        points = self.share_table[min(self.share_table, key=lambda w: (abs(w - world_size), -w))]
+        (first, base), (last, lost) = points[0], points[-1]
+        if cycle_s <= first:
+            return 0.0
+        if cycle_s >= last:
+            return max(0.0, (lost - base) * cycle_s / last)
+        return max(0.0, _interpolate(points, cycle_s) - base)  # type: ignore[arg-type]
 
     def caller_seconds(self, op: str, nbytes: int, world_size: int) -> tuple[float, float]:
         """Measured (interpolated) seconds the calling thread spends starting `op` and
@@ -178,6 +204,7 @@ class LocalLink:
             "caller_table": {
                 op: {str(w): pts for w, pts in t.items()} for op, t in self.caller_table.items()
             },
+            "share_table": {str(w): pts for w, pts in self.share_table.items()},
         }
 
     @classmethod
@@ -200,6 +227,9 @@ class LocalLink:
                 for op, t in d.get("meet_table", {}).items()
             },
             caller_table=tables("caller_table"),  # type: ignore[arg-type]
+            share_table={
+                int(w): [(p[0], p[1]) for p in pts] for w, pts in d.get("share_table", {}).items()
+            },
         )
 
 
@@ -257,6 +287,16 @@ class ShapedLink:
         """(cores, ranks sharing them)."""
         return self.local.cores, world_size if self.shared_cores else self.ranks_per_host
 
+    @property
+    def one_machine(self) -> bool:
+        return self.shared_cores
+
+    def uneven_share_s(self, world_size: int, cycle_s: float) -> float:
+        """This machine's (LocalLink.uneven_share_s) where every rank shares its cores; else
+        the ranks of one host's."""
+        ranks = world_size if self.shared_cores else self.ranks_per_host
+        return self.local.uneven_share_s(ranks, cycle_s)
+
 
 @dataclass(frozen=True)
 class BusLink:
@@ -273,9 +313,15 @@ class BusLink:
         wire = ring_factor(op, world_size) * nbytes / self.bus_bytes_per_s
         return Cost(wire_s=wire + ring_steps(op, world_size) * self.latency_s)
 
+    one_machine = False
+
     def cpu(self, world_size: int) -> tuple[float, int] | None:
         """None: compute and communication do not contend for a CPU."""
         return None
+
+    def uneven_share_s(self, world_size: int, cycle_s: float) -> float:
+        """0: a GPU is no shared core."""
+        return 0.0
 
 
 Link = LocalLink | ShapedLink | BusLink

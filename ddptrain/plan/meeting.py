@@ -14,6 +14,13 @@ the operation's own wall time from a barrier:
 
 The timeline (timeline.Job) charges them before each collective; calibrate.py stores them per
 operation and world size.
+
+    points = measure_uneven_share(lambda: shm.reduce(last_bucket), synced_s=2e-4, share=2 / 3)
+
+Where ranks outnumber the cores, the kernel does not share the cores evenly within a cycle, and
+at each meeting every rank waits for the one that got least: the longer the cycle, the more it
+loses (scripts/sharing_probe.py). `measure_uneven_share` times the idle case's cycle for several
+lengths of compute: (cycle at an even share, seconds lost beyond it), the median over cycles.
 """
 
 from __future__ import annotations
@@ -28,6 +35,18 @@ import torch.distributed as dist
 
 COMPUTE_S = 5e-3
 CYCLES = 48
+# Compute a cycle for the uneven share (the first as the meetings'), each timed for SHARE_S.
+SHARE_COMPUTE_S = (COMPUTE_S, 20e-3, 80e-3, 320e-3)
+SHARE_S = 3.0
+SHARE_MIN_CYCLES = 8
+
+
+def burn_cpu(seconds: float, block: torch.Tensor | None = None) -> None:
+    """Matrix products on this thread until it has spent `seconds` of CPU."""
+    block = torch.ones(256, 256) if block is None else block
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        torch.mm(block, block)
 
 
 def measure_meeting(
@@ -43,13 +62,7 @@ def measure_meeting(
     0; `share`: of a core each rank gets while all compute; `compute`: what spends the idle
     case's seconds (default: matrix products for that much CPU time)."""
     burn = torch.ones(256, 256)
-
-    def burn_cpu(seconds: float) -> None:
-        end = time.thread_time() + seconds
-        while time.thread_time() < end:
-            torch.mm(burn, burn)
-
-    spend = compute or burn_cpu
+    spend = compute or (lambda seconds: burn_cpu(seconds, burn))
 
     def mean_beyond(busy: bool) -> float:
         dist.barrier()
@@ -89,3 +102,36 @@ def measure_meeting(
         beside.join()
     dist.barrier()
     return max(0.0, idle), max(0.0, busy)
+
+
+def measure_uneven_share(
+    fn: Callable[[], object],
+    synced_s: float,
+    share: float,
+    *,
+    compute_s: tuple[float, ...] = SHARE_COMPUTE_S,
+    seconds: float = SHARE_S,
+    compute: Callable[[float], None] | None = None,
+) -> list[tuple[float, float]]:
+    """Collective: per length in `compute_s`, (its cycle at an even share, compute / `share`;
+    the median cycle's seconds beyond that and `synced_s`), cycles of compute then `fn`
+    filling about `seconds` (module docstring); `compute` as measure_meeting's."""
+    burn = torch.ones(256, 256)
+    spend = compute or (lambda s: burn_cpu(s, burn))
+    points = []
+    for c in compute_s:
+        even = c / share
+        # Rank 0 decides the count for every rank: all must meet as often.
+        cycles = torch.tensor([max(SHARE_MIN_CYCLES, round(seconds / (even + synced_s)))])
+        dist.broadcast(cycles, 0)
+        dist.barrier()
+        fn()
+        took = []
+        for _ in range(int(cycles.item())):
+            start = time.perf_counter()
+            spend(c)
+            fn()
+            took.append(time.perf_counter() - start)
+        points.append((even, statistics.median(took) - even - synced_s))
+    dist.barrier()
+    return points

@@ -7,15 +7,18 @@
     close_to_pick([pred_ddp, pred_zero1, ...], 4)           # the others within NEAR (5%)
 
 Step time: the rank's operations (steps.py) simulated with its CPU shared among its threads
-(timeline.py), plus the wait for the slowest rank: a step ends when every rank's does, and one
-rank's steps vary (the profile's samples), so n ranks wait for the expected slowest of n
-(`straggle_s`). The simulation with every communication free is the floor, and the
-difference the exposed communication. Samples/s: world_size * per-rank batch / step. Scaling
-efficiency: the one-rank step (the fastest strategy's at world size 1) over this step: 1.0 is
-linear. The pick: of the strategies that fit, those predicted within NEAR (5%) of the fastest
-are ties (one run on a shared machine cannot tell them apart, nor can the profiles), and the
-simplest of them is picked, in STRATEGIES' order: DDP, then ZeRO-1, 2 and 3 (more collectives
-a step), then PowerSGD (lossy: it changes what the model learns).
+(timeline.py), plus the wait for the slowest rank: a step ends when every rank's does. Ranks on
+machines of their own vary independently (the profile's samples), so n ranks wait for the
+expected slowest of n (`straggle_s`). Ranks on one machine share its slow spells; where they
+outnumber its cores, the kernel shares the cores unevenly within a step, and ranks that meet
+once a step (the DDP wrapper's) wait for the least served: the link's measured `uneven_share_s`
+for a cycle of the simulated step. The simulation with every communication free is the floor,
+and the difference the exposed communication. Samples/s: world_size * per-rank batch / step.
+Scaling efficiency: the one-rank step (the fastest strategy's at world size 1) over this step:
+1.0 is linear. The pick: of the strategies that fit, those predicted within NEAR (5%) of the
+fastest are ties (one run on a shared machine cannot tell them apart, nor can the profiles),
+and the simplest of them is picked, in STRATEGIES' order: DDP, then ZeRO-1, 2 and 3 (more
+collectives a step), then PowerSGD (lossy: it changes what the model learns).
 
 Peak RSS per rank, with glibc returning freed blocks (what --check sets): the DDP strategies'
 measured peak at world size 1 plus what changes with the world size: the pages of the other
@@ -105,14 +108,29 @@ def _free_comm(ops: list[Op]) -> list[Op]:
 def step_seconds(
     setup: Setup, prof: Profile, link: Link, world_size: int, background: float = 0.0
 ) -> tuple[float, float]:
-    """(step, floor): the simulated step plus the wait for the slowest rank (straggle_s), and
-    the simulated step with every communication free; `background`: busy threads of other
+    """(step, floor): the simulated step plus the wait for the slowest rank, and the simulated
+    step with every communication free (module docstring); `background`: busy threads of other
     programs on the same cores."""
     ops = step_ops(setup, prof, link, world_size)
     cpu = link.cpu(world_size)
     cores, peers = cpu if cpu is not None else (None, 1)
     run = [simulate(o, cores, peers, background).end_s for o in (ops, _free_comm(ops))]
-    return run[0] + straggle_s(prof.step_samples_s, world_size), run[1]
+    return run[0] + slowest_rank_s(setup, prof, link, world_size, run[0]), run[1]
+
+
+def slowest_rank_s(
+    setup: Setup, prof: Profile, link: Link, world_size: int, simulated_s: float
+) -> float:
+    """What a step of `simulated_s` waits for its slowest rank. Ranks on one machine: the
+    uneven share of its cores over the step, for the DDP wrapper's strategies, whose ranks
+    meet once a step after computing all of it (the sharded ones meet at every unit, and the
+    meetings carry that); a slow spell falls on every rank at once. Ranks on machines of their
+    own: the slowest of their independent steps (straggle_s)."""
+    if link.one_machine:
+        if setup.strategy in SHARDED:
+            return 0.0
+        return link.uneven_share_s(world_size, simulated_s)
+    return straggle_s(prof.step_samples_s, world_size)
 
 
 def straggle_s(samples: list[float], world_size: int) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import ddptrain
@@ -11,7 +13,14 @@ from ddptrain.plan.profile import Profile
 from ddptrain.plan.setup import Setup
 from ddptrain.plan.steps import ddp_ops, sharded_ops
 from ddptrain.plan.timeline import Alloc, Compute, Free, Job, Launch, Wait, simulate
-from support.plan_profiles import MIB, bus, ddp_profile, local, meeting_of_a_sleep
+from support.plan_profiles import (
+    MIB,
+    bus,
+    ddp_profile,
+    local,
+    meeting_of_a_sleep,
+    uneven_share_of_a_sleep,
+)
 
 OPS = [Compute(0.010), Launch("comm", Job("b0", cpu_s=0.004)), Compute(0.010), Wait("b0")]
 
@@ -94,6 +103,47 @@ def test_a_step_waits_for_the_slowest_rank():
     varied = ddp_profile(step_samples_s=[0.004, 0.001, 0.003, 0.002])
     step, floor = step_seconds(Setup(strategy="ddp"), varied, bus(), 2)
     assert (step, floor) == pytest.approx((plain[0] + 0.000625, plain[1]))
+
+
+# Lost at the end of 10, 40 and 160 ms cycles at an even share: 2, 5 and 11 ms.
+SHARE = [(0.010, 0.002), (0.040, 0.005), (0.160, 0.011)]
+
+
+def test_the_uneven_share_grows_with_the_cycle_beyond_the_shortest():
+    """Past the cores: 0 up to 10 ms, linear to 160 ms, the same fraction past it; 0 within."""
+    link = LocalLink(local(0.0).table, 2.0, share_table={3: SHARE})
+    assert link.uneven_share_s(3, 0.005) == 0.0
+    assert link.uneven_share_s(3, 0.025) == pytest.approx(0.0035 - 0.002)
+    assert link.uneven_share_s(3, 0.160) == pytest.approx(0.009)
+    assert link.uneven_share_s(3, 0.320) == pytest.approx(0.018)
+    assert link.uneven_share_s(5, 0.160) == pytest.approx(0.009)  # the nearest measured: 3
+    assert link.uneven_share_s(2, 0.160) == 0.0  # a core each
+    assert LocalLink.from_dict(link.as_dict()).share_table == link.share_table
+    assert local(0.0).uneven_share_s(3, 0.160) == 0.0  # not measured
+    assert ShapedLink(1e9, 0.0, link).uneven_share_s(3, 0.160) == pytest.approx(0.009)
+    apart = ShapedLink(1e9, 0.0, link, ranks_per_host=1, shared_cores=False)
+    assert apart.uneven_share_s(3, 0.160) == 0.0 and bus().uneven_share_s(3, 0.160) == 0.0
+
+
+def test_ranks_of_one_machine_wait_for_its_uneven_share_not_independent_draws():
+    """On one host a DDP step adds the uneven share of its simulated step, ZeRO-3 nothing, and
+    neither the samples' straggle; on hosts of their own the straggle is added."""
+    varied = ddp_profile(step_samples_s=[0.004, 0.001, 0.003, 0.002])
+    shared = LocalLink(local(0.0).table, 2.0, share_table={3: SHARE})
+    plain = LocalLink(local(0.0).table, 2.0)
+    ddp, zero3 = Setup(strategy="ddp"), Setup(strategy="zero3")
+    simulated = step_seconds(ddp, varied, plain, 3)[0]
+    assert step_seconds(ddp, varied, shared, 3)[0] == pytest.approx(
+        simulated + shared.uneven_share_s(3, simulated)
+    )
+    assert shared.uneven_share_s(3, simulated) > 0.0
+    units = dataclasses.replace(_two_unit_profile(), step_samples_s=varied.step_samples_s)
+    assert step_seconds(zero3, units, shared, 3) == step_seconds(zero3, units, plain, 3)
+    apart = ShapedLink(1e9, 0.0, plain, ranks_per_host=1, shared_cores=False)
+    together = ShapedLink(1e9, 0.0, plain)
+    assert step_seconds(ddp, varied, apart, 2)[0] == pytest.approx(
+        step_seconds(ddp, varied, together, 2)[0] + straggle_s(varied.step_samples_s, 2)
+    )
 
 
 def test_ddp_step_hides_a_fast_link():
@@ -180,6 +230,13 @@ def test_calibrated_meeting_is_the_operations_time_beyond_compute():
     idle, busy = ddptrain.spawn(meeting_of_a_sleep, 1, 0.008, 0.002, timeout_s=120)[0]
     assert 0.0019 <= busy <= 0.006
     assert 0.0019 <= idle <= 0.006
+
+
+def test_calibrated_uneven_share_is_the_cycle_beyond_its_even_share():
+    """Cycles of 4 and 12 ms of compute, then a 2 ms sleep: each loses 1.9-6 ms beyond it."""
+    points = ddptrain.spawn(uneven_share_of_a_sleep, 1, (0.004, 0.012), 0.002, timeout_s=120)[0]
+    assert [cycle for cycle, _ in points] == pytest.approx([0.004, 0.012])
+    assert all(0.0019 <= lost <= 0.006 for _, lost in points)
 
 
 def _two_unit_profile() -> Profile:

@@ -66,3 +66,21 @@ def meeting_of_a_sleep(compute_s: float, sleep_s: float) -> tuple[float, float]:
         return measure_meeting(op, 0.0, 1.0, compute_s=compute_s, cycles=12, compute=time.sleep)
     finally:
         ddptrain.shutdown()
+
+
+def uneven_share_of_a_sleep(compute_s: tuple[float, ...], sleep_s: float) -> list:
+    """In a spawned rank: meeting.py's uneven-share points of an operation that sleeps
+    `sleep_s`, in cycles whose "compute" sleeps each length in `compute_s`."""
+    import time
+
+    import ddptrain
+    from ddptrain.plan.meeting import measure_uneven_share
+
+    ddptrain.init_distributed()
+    try:
+        op = lambda: time.sleep(sleep_s)  # noqa: E731
+        return measure_uneven_share(
+            op, 0.0, 1.0, compute_s=compute_s, seconds=0.1, compute=time.sleep
+        )
+    finally:
+        ddptrain.shutdown()
