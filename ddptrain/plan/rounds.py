@@ -75,8 +75,8 @@ def merge(passes: list[Profile]) -> Profile:
     out.unit_activation_bytes = [round(b) for b in per_unit]
     out.timed_steps = sum(p.timed_steps for p in passes)
     # Each pass's steps about the merged median: a slow spell of the machine moves all of a
-    # pass's steps, and ranks running at once share it; a step waits for the spread of the
-    # ranks' steps within one spell (predict.straggle_s), not for the spells' difference.
+    # pass's steps, and ranks running at once share it; ranks drawing their steps
+    # independently (predict.straggle_s) draw from within one spell, not across spells.
     out.step_samples_s = [s * out.step_s / p.step_s if p.step_s > 0 else s
                           for p in passes for s in p.step_samples_s]  # fmt: skip
     return out
