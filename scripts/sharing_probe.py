@@ -8,7 +8,8 @@ cycle after cycle. With an even share of the cores a cycle would take the work's
 times max(1, world size / cores); the ratio printed is the measured cycle (the slowest rank's
 median) over that. Two barriers: the shared-memory transport's (`ddptrain.cpu.barrier`: polls,
 yielding the core, then sleeps 50 us at a time) and a futex one (`multiprocessing.Barrier`).
-The planner shares the cores evenly (docs/plan.md, "CPU time scales with sharing").
+The planner measures the same loss in its link calibration and charges it to the DDP wrapper's
+steps (docs/plan.md, "the uneven share").
 """
 
 from __future__ import annotations

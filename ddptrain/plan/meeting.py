@@ -20,7 +20,8 @@ operation and world size.
 Where ranks outnumber the cores, the kernel does not share the cores evenly within a cycle, and
 at each meeting every rank waits for the one that got least: the longer the cycle, the more it
 loses (scripts/sharing_probe.py). `measure_uneven_share` times the idle case's cycle for several
-lengths of compute: (cycle at an even share, seconds lost beyond it), the median over cycles.
+lengths of compute, taking them in turns: (cycle at an even share, seconds lost beyond it), the
+median over cycles.
 """
 
 from __future__ import annotations
@@ -35,10 +36,13 @@ import torch.distributed as dist
 
 COMPUTE_S = 5e-3
 CYCLES = 48
-# Compute a cycle for the uneven share (the first as the meetings'), each timed for SHARE_S.
-SHARE_COMPUTE_S = (COMPUTE_S, 20e-3, 80e-3, 320e-3)
-SHARE_S = 3.0
-SHARE_MIN_CYCLES = 8
+# Compute a cycle for the uneven share (the first as the meetings'), each timed for SHARE_S
+# in SHARE_PASSES turns: with 3 ranks on 2 cores, cycles of 5-20 ms sometimes lose a third
+# (two ranks on one core for the whole cycle) and sometimes a tenth, by spells of seconds.
+SHARE_COMPUTE_S = (COMPUTE_S, 80e-3, 320e-3)
+SHARE_S = 3.6
+SHARE_PASSES = 3
+SHARE_MIN_CYCLES = 3
 
 
 def burn_cpu(seconds: float, block: torch.Tensor | None = None) -> None:
@@ -111,27 +115,31 @@ def measure_uneven_share(
     *,
     compute_s: tuple[float, ...] = SHARE_COMPUTE_S,
     seconds: float = SHARE_S,
+    passes: int = SHARE_PASSES,
     compute: Callable[[float], None] | None = None,
 ) -> list[tuple[float, float]]:
     """Collective: per length in `compute_s`, (its cycle at an even share, compute / `share`;
     the median cycle's seconds beyond that and `synced_s`), cycles of compute then `fn`
-    filling about `seconds` (module docstring); `compute` as measure_meeting's."""
+    filling about `seconds` a length, in `passes` that take the lengths in turn (module
+    docstring); `compute` as measure_meeting's."""
     burn = torch.ones(256, 256)
     spend = compute or (lambda s: burn_cpu(s, burn))
-    points = []
-    for c in compute_s:
-        even = c / share
-        # Rank 0 decides the count for every rank: all must meet as often.
-        cycles = torch.tensor([max(SHARE_MIN_CYCLES, round(seconds / (even + synced_s)))])
-        dist.broadcast(cycles, 0)
-        dist.barrier()
-        fn()
-        took = []
-        for _ in range(int(cycles.item())):
-            start = time.perf_counter()
-            spend(c)
+    took: list[list[float]] = [[] for _ in compute_s]
+    for _ in range(passes):
+        for k, c in enumerate(compute_s):
+            # Rank 0 decides the count for every rank: all must meet as often.
+            cycle = c / share + synced_s
+            cycles = torch.tensor([max(SHARE_MIN_CYCLES, round(seconds / passes / cycle))])
+            dist.broadcast(cycles, 0)
+            dist.barrier()
             fn()
-            took.append(time.perf_counter() - start)
-        points.append((even, statistics.median(took) - even - synced_s))
+            for _ in range(int(cycles.item())):
+                start = time.perf_counter()
+                spend(c)
+                fn()
+                took[k].append(time.perf_counter() - start)
     dist.barrier()
-    return points
+    return [
+        (c / share, statistics.median(t) - c / share - synced_s)
+        for c, t in zip(compute_s, took, strict=True)
+    ]
