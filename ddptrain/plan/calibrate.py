@@ -51,7 +51,7 @@ REPEATS = 5
 TIMED_S = 0.25
 MAX_REPEATS = 41
 CACHE = Path.home() / ".cache" / "ddptrain" / "plan-links.json"
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5
 # A shaped link is measured up to the size it carries in about this long.
 SHAPED_SECONDS = 0.8
 
