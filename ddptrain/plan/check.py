@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -139,8 +140,23 @@ def run_twice_at_most(run: Callable[[], dict[str, Any]], what: str) -> dict[str,
         return run()
     except (RunFailed, WorkerError) as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        cause = failure_cause(str(e))
+        first += f" ({cause})" if cause and cause != first else ""
         print(f"{what}: {first}; running it once more", file=sys.stderr, flush=True)
         return run()
+
+
+# A rank's own words for why it stopped, ahead of its launcher's traceback.
+_CAUSE = re.compile(r"terminate called|^\s*(\w+\.)*\w*(Error|Exception)(: .*)?$|^error: ")
+
+
+def failure_cause(output: str) -> str | None:
+    """The first line of a failed run's output that says why: a C++ abort, an exception's last
+    line, an `error:` line; None if none does."""
+    for line in output.splitlines()[1:]:
+        if _CAUSE.search(line) and "ChildFailedError" not in line:
+            return line.strip()[:200]
+    return None
 
 
 def wait_for_quiet(threshold: float | None, max_wait_s: float) -> float:

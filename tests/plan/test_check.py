@@ -6,7 +6,14 @@ import pytest
 
 from ddptrain.bench.hosts import RunFailed
 from ddptrain.plan import plan
-from ddptrain.plan.check import combine, compare, rounds_apart, run_local, run_twice_at_most
+from ddptrain.plan.check import (
+    combine,
+    compare,
+    failure_cause,
+    rounds_apart,
+    run_local,
+    run_twice_at_most,
+)
 from ddptrain.plan.predict import (
     Point,
     Prediction,
@@ -140,6 +147,25 @@ def test_the_chart_is_a_png_of_the_predictions(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# A launcher's output when gloo aborted its rank (shortened from a real one).
+ABORT = """--- host a: ip netns exec ddpp-a sh -c ... python -m torch.distributed.run ...
+[W1129 20:48:52.981607816 socket.cpp:207] [c10d] The hostname of the client socket ...
+terminate called without an active exception
+E1129 20:48:58.854000 2865 api.py:1002] failed (exitcode: -6) local_rank: 0 (pid: 2874)
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+  exitcode  : -6 (pid: 2874)  (SIGABRT)"""
+
+
+def test_a_failures_cause_is_the_ranks_own_line_not_the_launchers():
+    """The cause is the abort or the rank's exception line; the launcher's own error is skipped."""
+    assert failure_cause(ABORT) == "terminate called without an active exception"
+    raised = "head\nTraceback (most recent call last):\nValueError: bad batch\nChildFailedError:"
+    assert failure_cause(raised) == "ValueError: bad batch"
+    assert failure_cause("head\nerror: --setup is not JSON") == "error: --setup is not JSON"
+    assert failure_cause("head\nall fine\nChildFailedError: x") is None
+
+
 def test_a_failed_run_is_run_once_more_and_a_second_failure_is_raised(capsys):
     """A run failing once is rerun and kept, with one line saying so; a second failure is raised."""
     calls = []
@@ -147,12 +173,14 @@ def test_a_failed_run_is_run_once_more_and_a_second_failure_is_raised(capsys):
     def flaky() -> dict:
         calls.append(1)
         if len(calls) == 1:
-            raise RunFailed("two-host bench failed (launcher exit codes [-6, None])")
+            raise RunFailed(f"two-host bench failed (launcher exit codes [1, None])\n{ABORT}")
         return {"step_s": 0.5}
 
     assert run_twice_at_most(flaky, "lenet zero3 ws2 1gbit") == {"step_s": 0.5}
     assert len(calls) == 2
-    assert "lenet zero3 ws2 1gbit: two-host bench failed" in capsys.readouterr().err
+    line = "lenet zero3 ws2 1gbit: two-host bench failed (launcher exit codes [1, None]) "
+    line += "(terminate called without an active exception); running it once more"
+    assert line in capsys.readouterr().err
 
     def broken() -> dict:
         calls.append(1)
