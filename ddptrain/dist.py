@@ -15,6 +15,7 @@ unchanged.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import shutil
 import subprocess
@@ -211,8 +212,12 @@ def current_info() -> DistInfo:
 
 
 def shutdown() -> None:
-    """Close what was registered with close_at_shutdown (transports), then destroy every
-    process group (safe to call twice)."""
+    """Free what is garbage but not yet collected, close what was registered with
+    close_at_shutdown (transports), then destroy every process group (safe to call twice)."""
+    # A wrapper left in a reference cycle (its hooks refer to it) holds gloo work and groups;
+    # freed after the groups are destroyed, at the interpreter's exit, it can abort the rank
+    # ("terminate called without an active exception").
+    gc.collect()
     run_closers()
     if dist.is_initialized():
         dist.destroy_process_group()

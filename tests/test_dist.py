@@ -1,5 +1,6 @@
 """Environment parsing and process-group setup (monkeypatched env, one real world of size 1)."""
 
+import gc
 import os
 import pickle
 import queue
@@ -189,6 +190,35 @@ def test_shutdown_closes_hook_threads_and_groups_before_exit():
         assert any(n.startswith("pt_gloo") for n in during)
         assert after == []
         assert "closed" in refused
+
+
+class _Cycle:
+    """Garbage only a collection frees: it notes whether the process group still existed."""
+
+    freed_with_group: list[bool] = []
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        _Cycle.freed_with_group.append(torch.distributed.is_initialized())
+
+
+def _run_shutdown_with_garbage() -> list[bool]:
+    ddptrain.init_distributed()
+    gc.disable()  # only shutdown()'s own collection may free the cycle
+    try:
+        _Cycle()
+        ddptrain.shutdown()
+        return list(_Cycle.freed_with_group)
+    finally:
+        gc.enable()
+
+
+def test_shutdown_frees_garbage_while_the_groups_still_exist():
+    """An object left in a reference cycle is freed by shutdown(), before the groups go."""
+    # Freed at exit instead, a wrapper's gloo work outlived its groups and aborted the rank.
+    assert ddptrain.spawn(_run_shutdown_with_garbage, 1, timeout_s=60) == [[True]]
 
 
 def _run_fail_on_rank1() -> None:
